@@ -1,0 +1,50 @@
+"""``nemo-dcr`` command line: a thin dispatcher over :mod:`nemo_dcr.commands`.
+
+Each subcommand lives in its own module with ``register(subparsers)``, which adds a parser
+and sets ``func`` (called with the parsed namespace, returns an exit code).  Modules are
+imported lazily by name so that ``nemo-dcr inspect`` never imports megatron or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand name -> module under nemo_dcr.commands
+COMMANDS = {
+    "diff": "checkpoint_cmds",
+    "encode": "checkpoint_cmds",
+    "apply": "checkpoint_cmds",
+    "inspect": "checkpoint_cmds",
+    "make-deltas": "make_deltas",
+    "check-layout": "check_layout",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Parser with every subcommand (or just ``only``, to keep imports minimal)."""
+    parser = argparse.ArgumentParser(
+        prog="nemo-dcr", description="Bit-exact delta-compressed weight refit for RL post-training."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    registered = set()
+    for name, module in COMMANDS.items():
+        if (only is not None and name != only) or module in registered:
+            continue
+        registered.add(module)
+        importlib.import_module(f"nemo_dcr.commands.{module}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(first if first in COMMANDS else None)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

