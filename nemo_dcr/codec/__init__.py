@@ -1,1 +1,14 @@
+"""Delta codec: wire format in docs/wire_format.md.
 
+Usage::
+
+    from nemo_dcr import codec
+    payload = codec.encode(base_tensors, target_tensors, codec.Identity(base_version=3, target_version=4))
+    touched = codec.apply(engine_tensors, payload)   # validates everything, then writes in place
+"""
+
+from .errors import DeltaFormatError
+from .payload import DecodedPayload, Identity, apply, decode, diff_tensors, encode, encode_deltas, inspect
+
+__all__ = ["DeltaFormatError", "DecodedPayload", "Identity", "apply", "decode", "diff_tensors", "encode",
+           "encode_deltas", "inspect"]

@@ -1,0 +1,46 @@
+"""Monotone integer keys and ULP steps (docs/wire_format.md section 4.4).
+
+``key`` maps raw bits to an unsigned integer that orders like the float value, so a change of
+one ULP is a step of one.  All arithmetic is exact integer arithmetic in uint64, valid for every
+bit pattern of every supported width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import DtypeSpec
+
+
+def to_key(bits: np.ndarray, spec: DtypeSpec) -> np.ndarray:
+    """Monotone key of raw ``bits`` as uint64."""
+    b = bits.astype(np.uint64)
+    sign = np.uint64(spec.sign_mask)
+    ones = np.uint64((1 << spec.bits) - 1)
+    return np.where(b & sign, ~b & ones, b | sign)
+
+
+def from_key(key: np.ndarray, spec: DtypeSpec) -> np.ndarray:
+    """Inverse of :func:`to_key`, returned in the dtype's unsigned type."""
+    sign = np.uint64(spec.sign_mask)
+    ones = np.uint64((1 << spec.bits) - 1)
+    return np.where(key & sign, key & ~sign & ones, ~key & ones).astype(spec.uint)
+
+
+def fold_steps(old: np.ndarray, new: np.ndarray, spec: DtypeSpec) -> np.ndarray:
+    """Folded magnitude-direction steps ``u >= 0`` (uint64) for changed elements."""
+    s = (to_key(new, spec).astype(np.int64) - to_key(old, spec).astype(np.int64))
+    neg_old = (old.astype(np.uint64) & np.uint64(spec.sign_mask)) != 0
+    d = np.where(neg_old, -s, s)
+    return (2 * (np.abs(d) - 1) + (d < 0)).astype(np.uint64)
+
+
+def unfold_steps(old: np.ndarray, u: np.ndarray, spec: DtypeSpec) -> np.ndarray:
+    """New bits from old bits and folded steps; caller checked ``(u >> 1) + 1 < 2**bits``."""
+    mag = (u >> np.uint64(1)).astype(np.int64) + 1
+    d = np.where((u & np.uint64(1)) != 0, -mag, mag)
+    neg_old = (old.astype(np.uint64) & np.uint64(spec.sign_mask)) != 0
+    s = np.where(neg_old, -d, d)
+    mod = np.int64(1 << spec.bits)
+    new_key = (to_key(old, spec).astype(np.int64) + s) % mod
+    return from_key(new_key.astype(np.uint64), spec)

@@ -1,0 +1,224 @@
+"""Encode, decode and apply whole payloads (docs/wire_format.md).
+
+``decode`` validates every rule against the receiver's tensors and returns the changes without
+writing anything; ``apply`` writes only after the whole payload decoded cleanly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..capture.delta import SparseDelta
+from ..verify.checksum import tensor_checksum, updated_checksum
+from .dtypes import bits_view, spec_of
+from .errors import (
+    AuthenticationError,
+    BaseChecksumMismatchError,
+    DtypeMismatchError,
+    MalformedRecordError,
+    MissingTensorError,
+    RecordChecksumError,
+    ShapeMismatchError,
+    TargetChecksumMismatchError,
+    TrailingBytesError,
+    TruncatedPayloadError,
+)
+from .header import FLAG_AUTH, PREAMBLE, PayloadHeader, RecordInfo, pack_preamble_and_header, parse_header, read_preamble
+from .records import decode_record, encode_record
+
+MAC_BYTES = 32
+MIN_KEY_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who and which versions a payload is about."""
+
+    model: str = ""
+    run: str = ""
+    base_version: int = 0
+    target_version: int = 1
+
+
+@dataclass(frozen=True)
+class DecodedPayload:
+    """A validated payload: its header and the changes of each record (receiver's index space)."""
+
+    header: PayloadHeader
+    deltas: tuple[SparseDelta, ...]
+
+
+def _hex(x: int) -> str:
+    return f"{x:016x}"
+
+
+def _crc(body) -> str:
+    return hashlib.blake2b(body, digest_size=8).hexdigest()
+
+
+def _check_key(key: bytes | None) -> None:
+    if key is not None and len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"HMAC key must be at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+
+
+def _flat_bits(t: torch.Tensor) -> np.ndarray:
+    return bits_view(t.detach().cpu().contiguous())
+
+
+def encode_deltas(
+    deltas: Sequence[SparseDelta],
+    base: Mapping[str, np.ndarray],
+    identity: Identity = Identity(),
+    encoding: str = "dcr",
+    key: bytes | None = None,
+    base_checksums: Mapping[str, int] | None = None,
+) -> bytes:
+    """Encode change sets against the receiver's base bits.
+
+    Args:
+        deltas: one :class:`SparseDelta` per tensor (empty ones become ``same`` records).
+        base: flat base bits of each named tensor (what the receiver holds).
+        identity: model/run and the version pair.
+        encoding: ``dcr``, ``reference`` or ``raw`` (per record, ``raw`` wins when smaller).
+        key: HMAC key; authenticates the payload when given.
+        base_checksums: known checksums of the base tensors (computed when missing).
+    """
+    _check_key(key)
+    infos, bodies = [], []
+    for d in deltas:
+        spec, bits = spec_of(d.dtype), base[d.name]
+        base_ck = (base_checksums or {}).get(d.name)
+        base_ck = tensor_checksum(bits) if base_ck is None else base_ck
+        old = bits[d.positions]
+        enc, body, params = encode_record(encoding, bits, d.positions, d.new_bits, spec)
+        target_ck = updated_checksum(base_ck, d.positions, old, d.new_bits)
+        infos.append(RecordInfo(d.name, d.dtype, tuple(int(s) for s in d.shape), d.numel, enc, d.nnz,
+                                len(body), _crc(body), _hex(base_ck), _hex(target_ck), params))
+        bodies.append(body)
+    total = sum(int(r.base_checksum, 16) for r in infos) & ((1 << 64) - 1)
+    header = PayloadHeader(identity.model, identity.run, identity.base_version, identity.target_version,
+                           _hex(total), tuple(sorted({r.encoding for r in infos})), tuple(infos))
+    out = pack_preamble_and_header(header, key is not None) + b"".join(bodies)
+    if key is not None:
+        out += hmac.new(key, out, hashlib.sha256).digest()
+    return out
+
+
+def diff_tensors(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> list[SparseDelta]:
+    """Changed elements of ``target`` vs ``base`` (same names, dtypes, shapes), by integer views."""
+    if set(base) != set(target):
+        raise ValueError(f"tensor names differ: only in base {sorted(set(base) - set(target))[:5]}, "
+                         f"only in target {sorted(set(target) - set(base))[:5]}")
+    out = []
+    for name, b in base.items():
+        t = target[name]
+        if b.dtype != t.dtype or b.shape != t.shape:
+            raise ValueError(f"{name}: base {b.dtype}{tuple(b.shape)} vs target {t.dtype}{tuple(t.shape)}")
+        bb, tb = _flat_bits(b), _flat_bits(t)
+        pos = np.flatnonzero(bb != tb).astype(np.int64)
+        out.append(SparseDelta(name, spec_of(b.dtype).name, tuple(b.shape), pos, tb[pos], bb[pos]))
+    return out
+
+
+def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], identity: Identity = Identity(),
+           encoding: str = "dcr", key: bytes | None = None) -> bytes:
+    """Payload turning ``base`` into ``target`` (every tensor gets a record)."""
+    deltas = diff_tensors(base, target)
+    bits = {n: _flat_bits(t) for n, t in base.items()}
+    return encode_deltas(deltas, bits, identity, encoding, key)
+
+
+def _split(payload, key: bytes | None) -> tuple[PayloadHeader, list[memoryview]]:
+    """Preamble, MAC, header and record bodies (rules 1-8, 11); needs no base."""
+    _check_key(key)
+    payload = memoryview(payload)
+    flags, h_len, h_raw = read_preamble(payload)
+    authenticated = bool(flags & FLAG_AUTH)
+    if authenticated != (key is not None):
+        raise AuthenticationError("payload is authenticated but no key was given" if authenticated
+                                  else "a key was given but the payload carries no MAC")
+    end = len(payload) - (MAC_BYTES if authenticated else 0)
+    if end < PREAMBLE.size + h_len:
+        raise TruncatedPayloadError("payload too short for its header and MAC")
+    if authenticated:
+        want = hmac.new(key, payload[:end], hashlib.sha256).digest()
+        if not hmac.compare_digest(want, bytes(payload[end:])):
+            raise AuthenticationError("MAC does not match: wrong key or tampered payload")
+    header = parse_header(payload[PREAMBLE.size : PREAMBLE.size + h_len], h_raw)
+    offset, bodies = PREAMBLE.size + h_len, []
+    for r in header.records:
+        if offset + r.length > end:
+            raise TruncatedPayloadError(f"body of {r.length} bytes runs past the payload end", r.name)
+        body = payload[offset : offset + r.length]
+        if _crc(body) != r.crc:
+            raise RecordChecksumError("body does not match its crc", r.name)
+        bodies.append(body)
+        offset += r.length
+    if offset != end:
+        raise TrailingBytesError(f"{end - offset} bytes after the last record")
+    return header, bodies
+
+
+def inspect(payload, key: bytes | None = None) -> PayloadHeader:
+    """Structurally validated header of a payload (no base needed)."""
+    return _split(payload, key)[0]
+
+
+def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: Mapping[str, int] | None):
+    if r.name not in base:
+        raise MissingTensorError(f"receiver has no such tensor (it has {len(base)} tensors)", r.name)
+    t = base[r.name]
+    spec = spec_of(t.dtype)
+    if spec.name != r.dtype:
+        raise DtypeMismatchError(f"payload dtype {r.dtype}, receiver holds {spec.name}", r.name)
+    if tuple(t.shape) != r.shape:
+        raise ShapeMismatchError(f"payload shape {list(r.shape)}, receiver holds {list(t.shape)}", r.name)
+    bits = _flat_bits(t)
+    have = (checksums or {}).get(r.name)
+    have = tensor_checksum(bits) if have is None else have
+    if have != int(r.base_checksum, 16):
+        raise BaseChecksumMismatchError(f"receiver checksum {_hex(have)}, payload base {r.base_checksum}", r.name)
+    return spec, bits, have
+
+
+def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
+           base_checksums: Mapping[str, int] | None = None) -> DecodedPayload:
+    """Validate a payload against the receiver's tensors and decode it; writes nothing."""
+    header, bodies = _split(payload, key)
+    deltas = []
+    for r, body in zip(header.records, bodies):
+        spec, bits, have = _check_against(r, base, base_checksums)
+        pos, new = decode_record(r, body, bits, spec)
+        old = bits[pos]
+        if pos.size != r.changed or (old == new).any():
+            raise MalformedRecordError(f"decoded {pos.size} changes ({int((old == new).sum())} no-ops), "
+                                       f"header says {r.changed}", r.name)
+        if updated_checksum(have, pos, old, new) != int(r.target_checksum, 16):
+            raise TargetChecksumMismatchError("decoded tensor would not match the target checksum", r.name)
+        deltas.append(SparseDelta(r.name, r.dtype, r.shape, pos, new, old))
+    return DecodedPayload(header, tuple(deltas))
+
+
+def apply(base: Mapping[str, torch.Tensor], payload, key: bytes | None = None,
+          base_checksums: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Decode ``payload`` against ``base`` and write the changes in place.
+
+    Every record is validated before the first write (rule 13).  Returns the touched tensors
+    and how many elements of each changed.
+    """
+    decoded = decode(payload, base, key, base_checksums)
+    touched = {}
+    for d in decoded.deltas:
+        if d.nnz:
+            t = base[d.name]
+            if not (t.device.type == "cpu" and t.is_contiguous()):
+                raise ValueError(f"{d.name}: in-place apply needs a contiguous CPU tensor")
+            bits_view(t)[d.positions] = d.new_bits
+            touched[d.name] = d.nnz
+    return touched
