@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand name -> module under nemo_dcr.commands
@@ -43,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(first if first in COMMANDS else None)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError, TypeError) as exc:  # user errors: bad input, missing files, bad payloads
+        if os.environ.get("NEMO_DCR_TRACEBACK"):
+            raise
+        print(f"nemo-dcr {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

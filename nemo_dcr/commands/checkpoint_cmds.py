@@ -1,0 +1,190 @@
+"""``nemo-dcr diff | encode | apply | inspect`` on safetensors checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .. import codec
+from ..codec.dtypes import bits_view
+from ..codec.stats import TensorStats, entropy_bits, layer_type, summarize
+from ..codec.dtypes import spec_of
+from ..verify.checksum import tensor_checksum
+
+ENCODINGS = ("dcr", "reference")
+
+
+def _load(path: str):
+    from ..checkpoint import load_checkpoint
+
+    return load_checkpoint(path)
+
+
+def _read_key(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    key = Path(path).read_bytes()
+    if len(key) < 16:
+        raise SystemExit(f"error: key file {path} holds {len(key)} bytes; at least 16 are needed")
+    return key
+
+
+def _identity(args) -> codec.Identity:
+    return codec.Identity(model=args.model, run=args.run, base_version=args.base_version,
+                          target_version=args.target_version)
+
+
+def _add_identity(p) -> None:
+    p.add_argument("--model", default="", help="model identity recorded in the header")
+    p.add_argument("--run", default="", help="run identity recorded in the header")
+    p.add_argument("--base-version", type=int, default=0, help="version the receiver holds (default 0)")
+    p.add_argument("--target-version", type=int, default=1, help="version the delta produces (default 1)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("diff", help="density per tensor and layer type, bytes per encoding")
+    p.add_argument("base"), p.add_argument("target")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--tensors", action="store_true", help="also list every tensor in the table")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("encode", help="write the delta that turns BASE into TARGET")
+    p.add_argument("base"), p.add_argument("target")
+    p.add_argument("-o", "--output", required=True, help="delta file to write")
+    p.add_argument("--encoding", choices=ENCODINGS + ("raw",), default="dcr")
+    p.add_argument("--key-file", help="HMAC-SHA256 key file (raw bytes, >= 16)")
+    _add_identity(p)
+    p.set_defaults(func=cmd_encode)
+
+    p = sub.add_parser("apply", help="apply DELTA to BASE and write OUT (bit-identical to the target)")
+    p.add_argument("base"), p.add_argument("delta")
+    p.add_argument("-o", "--output", required=True, help="checkpoint to write (file or directory, like BASE)")
+    p.add_argument("--key-file", help="HMAC-SHA256 key file the delta was authenticated with")
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("inspect", help="print a delta's header and records")
+    p.add_argument("delta")
+    p.add_argument("--key-file", help="verify the MAC with this key")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+
+def diff_stats(base, target) -> list[TensorStats]:
+    """Per-tensor statistics of the change from ``base`` to ``target`` (both name -> tensor)."""
+    deltas = codec.diff_tensors(base, target)
+    bits = {n: bits_view(t.contiguous()) for n, t in base.items()}
+    checksums = {n: tensor_checksum(b) for n, b in bits.items()}
+    sizes = {}
+    for enc in ENCODINGS:
+        header = codec.inspect(codec.encode_deltas(deltas, bits, encoding=enc, base_checksums=checksums))
+        for r in header.records:
+            sizes.setdefault(r.name, {})[enc] = r.length
+    out = []
+    for d in deltas:
+        spec = spec_of(d.dtype)
+        alike, cond = entropy_bits(bits[d.name], d.positions, d.new_bits, spec)
+        out.append(TensorStats(d.name, layer_type(d.name), d.numel, d.nnz, d.numel * spec.width,
+                               alike, cond, sizes[d.name]))
+    return out
+
+
+def _table(summary: dict, stats: list[TensorStats], per_tensor: bool) -> str:
+    head = f"{'group':<28}{'elements':>13}{'changed':>11}{'density':>9}" + "".join(
+        f"{e + ' B/chg':>16}" for e in ENCODINGS) + f"{'H_alike':>9}{'H_cond':>9}"
+    rows = [head]
+
+    def line(label, s):
+        bpc = s["bytes_per_changed"]
+        return (f"{label:<28}{s['numel']:>13,}{s['changed']:>11,}{100 * s['density']:>8.3f}%"
+                + "".join(f"{bpc.get(e, 0):>16.3f}" for e in ENCODINGS)
+                + f"{s['entropy_alike_per_changed']:>9.3f}{s['entropy_cond_per_changed']:>9.3f}")
+
+    for kind, s in summary["by_layer_type"].items():
+        rows.append(line(kind, s))
+    rows.append(line("TOTAL", summary["total"]))
+    t = summary["total"]
+    rows.append("bytes: dense {:,}".format(t["dense_bytes"]) + "".join(
+        f", {e} {t['bytes'][e]:,}" + (f" ({t['dense_bytes'] / t['bytes'][e]:.0f}x smaller)" if t["bytes"][e] else "") for e in ENCODINGS))
+    if per_tensor:
+        rows.append("")
+        rows += [f"{r.name:<60}{r.changed:>10,}/{r.numel:<12,}" + "".join(
+            f"{e}={r.encoded_bytes.get(e, 0):<10,}" for e in ENCODINGS) for r in stats]
+    return "\n".join(rows)
+
+
+def cmd_diff(args) -> int:
+    stats = diff_stats(_load(args.base), _load(args.target))
+    summary = summarize(stats)
+    if args.json:
+        summary["tensors"] = [{"name": r.name, "layer_type": r.layer_type, "numel": r.numel,
+                               "changed": r.changed, "density": r.density, "bytes": r.encoded_bytes,
+                               "entropy_alike_bytes": r.entropy_alike_bits / 8,
+                               "entropy_cond_bytes": r.entropy_cond_bits / 8} for r in stats]
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+    else:
+        print(_table(summary, stats, args.tensors))
+    return 0
+
+
+def _atomic_write_bytes(path: str, data: bytes) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".nemo_dcr_")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def cmd_encode(args) -> int:
+    key = _read_key(args.key_file)
+    base, target = _load(args.base), _load(args.target)
+    payload = codec.encode(base, target, _identity(args), args.encoding, key)
+    _atomic_write_bytes(args.output, payload)
+    header = codec.inspect(payload, key)
+    changed = sum(r.changed for r in header.records)
+    print(f"wrote {args.output}: {len(payload):,} bytes, {len(header.records)} tensors, "
+          f"{changed:,} changed elements ({len(payload) / max(changed, 1):.3f} B per change)")
+    return 0
+
+
+def cmd_apply(args) -> int:
+    from ..checkpoint import save_checkpoint
+
+    key = _read_key(args.key_file)
+    payload = Path(args.delta).read_bytes()
+    base = {n: t.clone() for n, t in _load(args.base).items()}
+    header = codec.inspect(payload, key)
+    names = {r.name for r in header.records}
+    if names != set(base):
+        raise codec.DeltaFormatError(f"delta covers {len(names)} tensors, base has {len(base)}: "
+                                     f"missing {sorted(set(base) - names)[:5]}, extra {sorted(names - set(base))[:5]}")
+    touched = codec.apply(base, payload, key)
+    out = Path(args.output)
+    suffix = ".safetensors" if out.suffix == ".safetensors" else ""
+    tmp = out.with_name(f".{out.stem}.partial{suffix}")
+    save_checkpoint(base, tmp)
+    if out.is_dir():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    print(f"wrote {out}: {len(base)} tensors, {sum(touched.values()):,} elements changed in {len(touched)} tensors "
+          f"(version {header.base_version} -> {header.target_version})")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    header = codec.inspect(Path(args.delta).read_bytes(), _read_key(args.key_file))
+    if args.json:
+        json.dump(header.to_json(), sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"model={header.model!r} run={header.run!r} versions {header.base_version} -> {header.target_version} "
+          f"base_checksum={header.base_checksum} encodings={','.join(header.encodings)}")
+    for r in header.records:
+        print(f"  {r.name:<56} {r.dtype:<8} {str(list(r.shape)):<14} {r.encoding:<9} "
+              f"changed={r.changed:<9,} bytes={r.length:<9,} crc={r.crc}")
+    return 0
