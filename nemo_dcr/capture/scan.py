@@ -1,0 +1,107 @@
+"""Capture: find the changed elements of local param shards against the baseline.
+
+Comparison is always on integer views (``!=`` on int16 for bf16), never on floats: ``-0.0``
+vs ``+0.0`` and two NaNs with different payloads are changes, the same NaN bits are not.
+The scan works in fixed-size chunks, so its scratch memory is bounded by ``chunk`` elements
+no matter how large a param is.
+
+Each rank scans only the part of each param it owns (see :mod:`nemo_dcr.capture.ranges`):
+``ranges[name] = (start, stop)`` in the param's flat index space.  Positions are reported in
+the full local param's flat index space (megatron-local), so a DP slice's positions can be
+remapped like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from nemo_dcr.capture.baseline import BaselineStore, int_view
+from nemo_dcr.capture.delta import SparseDelta
+from nemo_dcr.codec.dtypes import spec_of
+
+DEFAULT_CHUNK = 1 << 24
+
+
+def capture(
+    params: Mapping[str, torch.Tensor],
+    baseline: BaselineStore,
+    ranges: Mapping[str, tuple[int, int]] | None = None,
+    *,
+    version: int | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    keep_empty: bool = False,
+) -> list[SparseDelta]:
+    """Changed elements of every param since the last *committed* baseline.
+
+    Args:
+        params: local name -> live param (contiguous; any device).
+        baseline: the committed bits the engine holds.
+        ranges: name -> (start, stop) flat slice this rank owns; a name missing from
+            ``ranges`` is scanned whole, a name mapped to an empty range is skipped.
+        version: when given, the deltas are staged in ``baseline`` under this version so
+            :meth:`BaselineStore.commit` can apply them once the engine acknowledged.
+        chunk: elements compared per step (bounds scratch memory).
+        keep_empty: also return deltas with no changed element.
+
+    Returns:
+        One :class:`SparseDelta` per param (megatron-local index space, sorted positions,
+        ``old_bits`` from the baseline).
+    """
+    deltas = []
+    for name, param in params.items():
+        baseline.check(name, param)
+        lo, hi = (0, param.numel()) if ranges is None else ranges.get(name, (0, param.numel()))
+        delta = scan_param(name, param, baseline.bits(name), lo, hi, chunk)
+        if delta.nnz or keep_empty:
+            deltas.append(delta)
+    if version is not None:
+        baseline.stage(version, deltas)
+    return deltas
+
+
+def scan_param(name: str, param: torch.Tensor, base: torch.Tensor, lo: int, hi: int,
+               chunk: int = DEFAULT_CHUNK) -> SparseDelta:
+    """Compare ``param.flat[lo:hi]`` with ``base[lo:hi]`` (integer views) in chunks."""
+    spec = spec_of(param.dtype)
+    cur = int_view(param)
+    pos_parts, new_parts, old_parts = [], [], []
+    for start in range(lo, hi, chunk):
+        stop = min(start + chunk, hi)
+        c = cur[start:stop]
+        b = base[start:stop].to(c.device, non_blocking=True)
+        idx = torch.nonzero(c != b).reshape(-1)
+        if idx.numel():
+            pos_parts.append((idx + start).cpu())
+            new_parts.append(c[idx].cpu())
+            old_parts.append(b[idx].cpu())
+    return SparseDelta(
+        name=name, dtype=spec.name, shape=tuple(param.shape),
+        positions=_cat(pos_parts, np.int64),
+        new_bits=_cat(new_parts, spec.uint), old_bits=_cat(old_parts, spec.uint),
+    )
+
+
+def _cat(parts: list[torch.Tensor], dtype) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype=dtype)
+    arr = torch.cat(parts).numpy()
+    return arr.astype(np.int64) if dtype is np.int64 else arr.view(dtype)
+
+
+def apply_deltas(tensors: Mapping[str, torch.Tensor], deltas: list[SparseDelta]) -> int:
+    """Scatter deltas into CPU tensors through integer views (test and reference helper).
+
+    Returns:
+        Elements written.
+    """
+    n = 0
+    for d in deltas:
+        view = int_view(tensors[d.name])
+        pos = torch.from_numpy(np.ascontiguousarray(d.positions))
+        signed = {1: np.uint8, 2: np.int16, 4: np.int32}[d.new_bits.itemsize]
+        view[pos] = torch.from_numpy(np.ascontiguousarray(d.new_bits).view(signed))
+        n += d.nnz
+    return n
