@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, Union
 
+import numpy as np
 import torch
 
 Shape = tuple[int, ...]
@@ -77,16 +78,24 @@ def _numel(shape: Shape) -> int:
     return n
 
 
+def _where(mask: torch.Tensor) -> torch.Tensor:
+    """int64 positions of True entries (numpy's is ~10x faster than torch's on CPU)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return torch.nonzero(mask).flatten()
+
+
 def _group(part: torch.Tensor, names: tuple[str, ...], local: torch.Tensor) -> RemapResult:
     """Split positions by part id; ``local`` are the indices inside each part."""
     pieces = []
     if len(names) <= 4:
         for k, name in enumerate(names):
-            sel = torch.nonzero(part == k).flatten()
+            sel = _where(part == k)
             if sel.numel():
                 pieces.append(Piece(name, sel, local[sel]))
         return RemapResult(tuple(pieces))
-    order = torch.argsort(part, stable=True)
+    key = part.to(torch.int16) if len(names) < 2**15 else part
+    order = torch.sort(key, stable=True).indices
     counts = torch.bincount(part, minlength=len(names)).tolist()
     for name, sel in zip(names, torch.split(order, counts)):
         if sel.numel():
@@ -128,8 +137,8 @@ class ShardDim:
         full_d = self.full_shape[self.dim]
         local_d = full_d // self.parts
         inner = _numel(self.full_shape[self.dim + 1:])
-        outer, rest = torch.div(idx, local_d * inner, rounding_mode="floor"), idx % (local_d * inner)
-        d, i = torch.div(rest, inner, rounding_mode="floor"), rest % inner
+        outer, rest = (idx // local_d * inner), idx % (local_d * inner)
+        d, i = (rest // inner), rest % inner
         new = (outer * full_d + self.rank * local_d + d) * inner + i
         return _one(self.target, idx, new)
 
@@ -146,7 +155,7 @@ class Transpose:
     target: str = ""
 
     def remap(self, idx: torch.Tensor) -> RemapResult:
-        r, c = torch.div(idx, self.cols, rounding_mode="floor"), idx % self.cols
+        r, c = (idx // self.cols), idx % self.cols
         return _one(self.target, idx, c * self.rows + r)
 
 
@@ -158,7 +167,7 @@ class Truncate:
     target: str = ""
 
     def remap(self, idx: torch.Tensor) -> RemapResult:
-        sel = torch.nonzero(idx < self.limit).flatten()
+        sel = _where(idx < self.limit)
         if not sel.numel():
             return RemapResult(())
         return RemapResult((Piece(self.target, sel, idx[sel]),))
@@ -174,7 +183,7 @@ class InterleavedRowSplit:
     Forward / Reverse: pure row arithmetic; columns pass through.
 
     Example (GQA ``linear_qkv``, 2 groups of 2 q heads, head_dim 1, hidden 3):
-    ``sizes=(2, 1, 1)``: rows ``q0 q1 k0 v0 | q2 q3 k1 v1``; flat 16 = row 5 (group 1,
+    ``sizes=(2, 1, 1)``: rows ``q0 q1 k0 v0 | q2 q3 k1 v1``; flat 19 = row 6 (group 1,
     block k, j 0) col 1 -> ``k`` row 1 col 1 = flat 4.
     """
 
@@ -185,16 +194,15 @@ class InterleavedRowSplit:
 
     def remap(self, idx: torch.Tensor) -> RemapResult:
         period = sum(self.sizes)
-        row, col = torch.div(idx, self.cols, rounding_mode="floor"), idx % self.cols
-        g, j = torch.div(row, period, rounding_mode="floor"), row % period
+        row, col = (idx // self.cols), idx % self.cols
+        g, j = (row // period), row % period
+        starts = [0]
+        for size in self.sizes[:-1]:
+            starts.append(starts[-1] + size)
         part = torch.zeros_like(j)
-        start = torch.zeros_like(j)
-        acc = 0
-        for k, size in enumerate(self.sizes[:-1]):
-            acc += size
-            past = j >= acc
-            part += past.to(torch.int64)
-            start = torch.where(past, torch.full_like(j, acc), start)
+        for b in starts[1:]:
+            part += j >= b
+        start = torch.tensor(starts, dtype=torch.int64, device=idx.device)[part]
         size_of = torch.tensor(self.sizes, dtype=torch.int64, device=idx.device)[part]
         local = (g * size_of + (j - start)) * self.cols + col
         return _group(part, self.names, local)
@@ -211,7 +219,7 @@ class BlockSplit:
     names: tuple[str, ...]
 
     def remap(self, idx: torch.Tensor) -> RemapResult:
-        part = torch.div(idx, self.block, rounding_mode="floor")
+        part = (idx // self.block)
         return _group(part, self.names, idx % self.block)
 
 
