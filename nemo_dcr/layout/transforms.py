@@ -137,8 +137,8 @@ class ShardDim:
         full_d = self.full_shape[self.dim]
         local_d = full_d // self.parts
         inner = _numel(self.full_shape[self.dim + 1:])
-        outer, rest = (idx // local_d * inner), idx % (local_d * inner)
-        d, i = (rest // inner), rest % inner
+        outer, rest = idx // (local_d * inner), idx % (local_d * inner)
+        d, i = rest // inner, rest % inner
         new = (outer * full_d + self.rank * local_d + d) * inner + i
         return _one(self.target, idx, new)
 
@@ -155,7 +155,7 @@ class Transpose:
     target: str = ""
 
     def remap(self, idx: torch.Tensor) -> RemapResult:
-        r, c = (idx // self.cols), idx % self.cols
+        r, c = idx // self.cols, idx % self.cols
         return _one(self.target, idx, c * self.rows + r)
 
 
@@ -194,8 +194,8 @@ class InterleavedRowSplit:
 
     def remap(self, idx: torch.Tensor) -> RemapResult:
         period = sum(self.sizes)
-        row, col = (idx // self.cols), idx % self.cols
-        g, j = (row // period), row % period
+        row, col = idx // self.cols, idx % self.cols
+        g, j = row // period, row % period
         starts = [0]
         for size in self.sizes[:-1]:
             starts.append(starts[-1] + size)
@@ -219,7 +219,7 @@ class BlockSplit:
     names: tuple[str, ...]
 
     def remap(self, idx: torch.Tensor) -> RemapResult:
-        part = (idx // self.block)
+        part = idx // self.block
         return _group(part, self.names, idx % self.block)
 
 
