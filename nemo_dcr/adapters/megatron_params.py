@@ -1,0 +1,152 @@
+"""Rank-aware helpers over a built GPTModel: global names, HF load, dense export, ranges.
+
+``chunks`` is this rank's list of model chunks (one per virtual pipeline stage), as
+returned by :func:`nemo_dcr.adapters.megatron.build_gpt_model`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nemo_dcr.adapters.megatron import ModelPreset, rank_coords
+from nemo_dcr.adapters.megatron_hf import (
+    hf_to_megatron, megatron_to_hf, merge_shards, shard_of, tp_placement,
+)
+from nemo_dcr.capture.ranges import split_range
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """One parameter of this rank.
+
+    Attributes:
+        chunk: virtual pipeline chunk index.
+        name: megatron-local name (``named_parameters()`` of the chunk).
+        global_name: model-wide name (global layer and expert numbers).
+        param: the live tensor.
+        expert: routed-expert param (split over EP/ETP, replicated over expert-DP).
+    """
+
+    chunk: int
+    name: str
+    global_name: str
+    param: torch.Tensor
+    expert: bool
+
+
+def local_params(chunks: list[torch.nn.Module], preset: ModelPreset) -> list[LocalParam]:
+    """Every parameter of this rank with its global megatron name."""
+    coords = rank_coords()
+    per_rank = preset.num_experts // coords["ep"] if preset.num_experts else 0
+    out = []
+    for c, model in enumerate(chunks):
+        for name, p in model.named_parameters():
+            gname = name
+            m = _LOCAL_LAYER.match(name)
+            if m is not None:
+                layer = model.decoder.layers[int(m.group(1))].layer_number - 1
+                gname = f"decoder.layers.{layer}." + name[m.end():]
+            expert = getattr(p, "allreduce", True) is False
+            if expert:
+                gname = _LOCAL_EXPERT.sub(
+                    lambda e: f"local_experts.{coords['ep_rank'] * per_rank + int(e.group(1))}.",
+                    gname)
+            out.append(LocalParam(c, name, gname, p, expert))
+    return out
+
+
+@torch.no_grad()
+def load_hf(chunks: list[torch.nn.Module], hf: Mapping[str, torch.Tensor],
+            preset: ModelPreset) -> int:
+    """Copy HF weights into this rank's shards; returns the number of params loaded."""
+    coords = rank_coords()
+    n = 0
+    for lp in local_params(chunks, preset):
+        full = hf_to_megatron(lp.global_name, hf, preset, coords["tp"])
+        size, rank, dim = tp_placement(lp.param, coords)
+        shard = shard_of(lp.global_name, full, size, rank, dim)
+        if tuple(shard.shape) != tuple(lp.param.shape):
+            raise ValueError(f"{lp.name}: HF shard {tuple(shard.shape)} != {tuple(lp.param.shape)}")
+        lp.param.copy_(shard.to(lp.param.dtype))
+        n += 1
+    return n
+
+
+def replica_group(lp: LocalParam, coords: Mapping[str, int]) -> tuple[int, int]:
+    """(index, count) of this rank among the ranks holding bit-identical copies of ``lp``.
+
+    Dense params are replicated over DP, and additionally over TP when not TP-sharded
+    (norms, router).  Routed experts are replicated over expert-DP (and expert-TP when not
+    sharded).
+    """
+    size, rank, dim = tp_placement(lp.param, coords)
+    if lp.expert:
+        idx, count = coords["edp_rank"], coords["edp"]
+    else:
+        idx, count = coords["dp_rank"], coords["dp"]
+    if dim is None and size > 1:
+        idx, count = idx * size + rank, count * size
+    return idx, count
+
+
+def capture_ranges(params: list[LocalParam], skip: set[str] = frozenset()
+                   ) -> dict[str, tuple[int, int]]:
+    """Flat (start, stop) slice of each local param this rank captures (no DDP buffers).
+
+    Args:
+        params: from :func:`local_params`.
+        skip: local names captured by nobody (e.g. the tied output-layer copy).
+    """
+    coords = rank_coords()
+    out = {}
+    for lp in params:
+        if lp.name in skip:
+            out[lp.name] = (0, 0)
+            continue
+        idx, count = replica_group(lp, coords)
+        out[lp.name] = split_range(lp.param.numel(), idx, count)
+    return out
+
+
+@torch.no_grad()
+def dense_export(chunks: list[torch.nn.Module], preset: ModelPreset,
+                 dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Gather every shard to rank ``dst`` and convert to HF tensors (the dense reference).
+
+    Only the first replica of each shard sends.  Returns the HF state dict on ``dst`` and
+    None elsewhere.  Collective: every rank must call it.
+    """
+    coords = rank_coords()
+    records = []
+    for lp in local_params(chunks, preset):
+        if preset.tied and lp.global_name == "output_layer.weight":
+            continue
+        idx, _ = replica_group(lp, coords)
+        if idx:
+            continue
+        size, rank, dim = tp_placement(lp.param, coords)
+        records.append((lp.global_name, rank, dim, lp.param.detach().cpu().clone()))
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(records, gathered, dst=dst)
+    if dist.get_rank() != dst:
+        return None
+    shards = defaultdict(dict)
+    dims = {}
+    for recs in gathered:
+        for gname, rank, dim, t in recs:
+            shards[gname][rank] = t
+            dims[gname] = dim
+    out = {}
+    for gname, by_rank in shards.items():
+        full = merge_shards(gname, [by_rank[r] for r in sorted(by_rank)], dims[gname])
+        out.update(megatron_to_hf(gname, full, preset))
+    return out
