@@ -134,7 +134,7 @@ def _check_against_model(lay: ParallelLayout, dims: ModelDims) -> None:
     """Divisibility rules Megatron-Core asserts when it builds the model."""
     checks = [(dims.num_attention_heads, lay.tp, "num_attention_heads", "tp")]
     if not dims.multi_latent_attention:
-        g = dims.num_query_groups
+        g = dims.kv_heads
         if g % lay.tp and lay.tp % g:
             raise LayoutError(f"tp={lay.tp} and num_query_groups={g}: one must divide the other")
     if dims.has_dense_mlp:

@@ -127,3 +127,22 @@ def test_layout_core_imports_only_torch_numpy_stdlib():
                 continue
             for m in mods:
                 assert m.split(".")[0] in allowed, f"{path.name} imports {m}"
+
+
+def test_docs_worked_examples():
+    """The two shape examples of docs/layout.md."""
+    from nemo_dcr.layout import ModelDims, ParallelLayout, build_plan
+
+    d = ModelDims(num_layers=1, hidden_size=3, num_attention_heads=4, num_query_groups=2,
+                  head_dim=1, ffn_hidden_size=6, vocab_size=8, make_vocab_size_divisible_by=1)
+    plan = build_plan("llama", d, ParallelLayout(tp=2, tp_rank=1))
+    res = plan.remap("decoder.layers.0.self_attention.linear_qkv.weight", torch.tensor([7]))
+    want = [("model.layers.0.self_attn.k_proj.weight", [4])]
+    assert [(p.name, p.index.tolist()) for p in res] == want
+    d2 = ModelDims(num_layers=1, hidden_size=2, num_attention_heads=3, head_dim=1,
+                   ffn_hidden_size=6, vocab_size=3, make_vocab_size_divisible_by=1)
+    plan2 = build_plan("llama", d2, ParallelLayout(tp=3, tp_rank=2))
+    assert plan2.params["decoder.layers.0.mlp.linear_fc1.weight"].local_shape == (4, 2)
+    res = plan2.remap("decoder.layers.0.mlp.linear_fc1.weight", torch.tensor([5]))
+    want = [("model.layers.0.mlp.up_proj.weight", [9])]
+    assert [(p.name, p.index.tolist()) for p in res] == want
