@@ -131,12 +131,22 @@ SHARED = (
          when=("shared",)),
 )
 
+_DENSE = EMBED + GQA + DENSE_MLP
+_MLA_MOE = EMBED + MLA + DENSE_MLP + MOE + SHARED
 FAMILIES: dict[str, tuple[Rule, ...]] = {
-    "llama": EMBED + GQA + DENSE_MLP,
+    "llama": _DENSE,
+    "smollm2": _DENSE,
+    "qwen2": _DENSE,
+    "qwen3": _DENSE,
     "qwen3_moe": EMBED + GQA + DENSE_MLP + MOE,
-    "deepseek_v3": EMBED + MLA + DENSE_MLP + MOE + SHARED,
+    "deepseek_v3": _MLA_MOE,
+    "kimi_k2": _MLA_MOE,
 }
-"""Family name -> rules. ``llama`` covers Llama, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+"""Family name -> rules. ``llama`` (aliases ``smollm2``, ``qwen2``, ``qwen3``) covers Llama,
+SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k norm); ``kimi_k2`` is an alias of ``deepseek_v3``."""
+
+MLA_FAMILIES = frozenset({"deepseek_v3", "kimi_k2"})
+"""Families whose attention is MLA (``ModelDims.multi_latent_attention`` must be set)."""
 
 
 def _spec(ctx: Ctx) -> dict[str, bool]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nemo_dcr.layout.dims import ModelDims
-from nemo_dcr.layout.families import FAMILIES, Rule, rule_applies
+from nemo_dcr.layout.families import FAMILIES, MLA_FAMILIES, Rule, rule_applies
 from nemo_dcr.layout.mappings import Ctx, MegatronSpec
 from nemo_dcr.layout.parallel import LayoutError, ParallelLayout, chunk_layers
 from nemo_dcr.layout.shapes import canonical_shapes
@@ -134,7 +134,8 @@ def build_plan(
     """Build the plan of one model chunk of one rank.
 
     Args:
-        family: ``llama``, ``qwen3_moe`` or ``deepseek_v3``.
+        family: a key of :data:`~nemo_dcr.layout.families.FAMILIES` (``llama``,
+            ``qwen3_moe``, ``deepseek_v3`` and their aliases).
         dims: model dimensions.
         layout: parallel sizes and this rank's coordinates.
         vpp_chunk: model chunk index on this rank (0 without virtual pipeline).
@@ -145,6 +146,10 @@ def build_plan(
     """
     if family not in FAMILIES:
         raise LayoutError(f"unknown family {family!r}; known {sorted(FAMILIES)}")
+    if (family in MLA_FAMILIES) != dims.multi_latent_attention:
+        raise LayoutError(
+            f"family {family!r} needs multi_latent_attention={family in MLA_FAMILIES}"
+        )
     layout.validate(dims=dims)
     rules = FAMILIES[family]
     shapes = canonical_shapes(family, dims)

@@ -80,12 +80,13 @@ def canonical_shapes(family: str, d: ModelDims) -> ShapeMap:
     """Every canonical tensor of the model, name -> shape.
 
     Args:
-        family: a key of :data:`nemo_dcr.layout.families.FAMILIES`.
+        family: a key of :data:`nemo_dcr.layout.families.FAMILIES` (the attention kind
+            follows ``d.multi_latent_attention``; :func:`build_plan` checks they agree).
         d: model dimensions.
     """
     out = _globals(d)
     for layer in range(d.num_layers):
         p = f"model.layers.{layer}."
-        out.update(_mla(d, p) if family == "deepseek_v3" else _gqa(d, p))
+        out.update(_mla(d, p) if d.multi_latent_attention else _gqa(d, p))
         out.update(_ffn(d, p, layer))
     return out

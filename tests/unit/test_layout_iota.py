@@ -192,3 +192,13 @@ def test_module_prefix_and_bounds():
 def test_unknown_family():
     with pytest.raises(LayoutError, match="known"):
         build_plan("gpt2", LLAMA, ParallelLayout())
+
+
+def test_family_aliases_and_attention_kind():
+    base = build_plan("llama", QWEN3, ParallelLayout(tp=2))
+    alias = build_plan("qwen3", QWEN3, ParallelLayout(tp=2))
+    assert set(base.params) == set(alias.params)
+    assert set(build_plan("kimi_k2", DSV3, ParallelLayout()).params) == set(
+        build_plan("deepseek_v3", DSV3, ParallelLayout()).params)
+    with pytest.raises(LayoutError, match="multi_latent_attention"):
+        build_plan("deepseek_v3", LLAMA, ParallelLayout())
