@@ -105,7 +105,8 @@ def install_cpu_shim() -> None:
     """Let megatron-core modules run forward/backward on CPU (idempotent).
 
     ``torch.cuda.current_device`` answers ``"cpu"`` (megatron allocates on it),
-    ``torch.cuda.synchronize`` is a no-op, and the CUDA RNG tracker becomes megatron's
+    ``torch.cuda.synchronize`` and ``Tensor.cuda()`` are no-ops (the tied-embedding
+    all-reduce at construction moves the weight with ``.cuda()``), and the CUDA RNG tracker becomes megatron's
     inference tracker, whose ``fork()`` is a null context (dropout is 0 in every preset).
     Skipped when CUDA is available.
     """
@@ -116,6 +117,7 @@ def install_cpu_shim() -> None:
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self  # tied-embedding setup calls .cuda()
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _SHIM_INSTALLED = True
 

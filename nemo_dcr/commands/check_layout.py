@@ -1,0 +1,117 @@
+"""``nemo-dcr check-layout``: preflight a parallel layout before a big job.
+
+Launches its own gloo processes on CPU (``torchrun`` running
+:mod:`nemo_dcr.adapters.megatron_check`), builds the megatron-core model at the requested
+layout, runs a few optimizer steps (real AdamW where megatron-core can train on CPU, Adam-like
+updates of the fp32 masters for MoE/MLA), and reports whether the sparse remap of every
+captured change is bit-exact against a dense export, tensor by tensor.
+
+Impossible layouts are rejected before anything is launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+MODELS = {"smollm2": "smollm2", "qwen3-moe-tiny": "qwen3-moe-tiny",
+          "deepseek-tiny": "deepseek-tiny", "dense-tiny": "dense-tiny"}
+
+
+def register(subparsers) -> None:
+    """Add the ``check-layout`` subcommand."""
+    p = subparsers.add_parser("check-layout", help=__doc__.splitlines()[0],
+                              description=__doc__)
+    p.add_argument("--model", required=True, choices=sorted(MODELS))
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage")
+    p.add_argument("--dp", type=int, default=1, help="data parallel size")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps to check")
+    p.add_argument("--layers", type=int, default=None, help="override the model's layers")
+    p.add_argument("--timeout", type=int, default=900, help="seconds before giving up")
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.set_defaults(func=run)
+
+
+def _validate(args) -> int:
+    """World size after checking the layout against the model; raises LayoutError."""
+    from nemo_dcr.adapters import megatron as am
+    from nemo_dcr.layout import LayoutError, ParallelLayout
+
+    preset = am.PRESETS[MODELS[args.model]]
+    dims = am.model_dims(am.with_layers(preset, args.layers) if args.layers else preset)
+    etp = args.etp if args.etp is not None else (args.tp if dims.num_experts else 1)
+    if args.vpp > 1:
+        raise LayoutError("--vpp > 1: the CPU pipeline driver runs one model chunk per "
+                          "stage; virtual pipeline is covered by the layout unit tests")
+    lay = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, dp=args.dp)
+    lay.validate(dims=dims)
+    return lay.world_size
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, launch, report.  Exit code 0 when bit-exact, 1 otherwise, 2 bad layout."""
+    from nemo_dcr.layout import LayoutError
+
+    try:
+        world = _validate(args)
+    except LayoutError as e:
+        print(f"check-layout: impossible layout: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = _command(args, world, out)
+        if args.model == "smollm2":
+            from nemo_dcr.adapters.megatron_hf import save_smollm2_state
+
+            save_smollm2_state(os.path.join(tmp, "hf_state.pt"))
+            cmd += ["--hf-state", os.path.join(tmp, "hf_state.pt")]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=args.timeout)
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(f"check-layout: workers failed (rc={proc.returncode}):\n"
+                  f"{proc.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        with open(out) as f:
+            result = json.load(f)
+    report = dict(bit_exact=result["bit_exact"], tensors=result["tensors"],
+                  elements_checked=result["elements_checked"], layout=result["layout"],
+                  non_bit_exact=result["bad"], training=result["training"],
+                  steps=result["steps"])
+    print(json.dumps(report, indent=1) if args.json else _text(args.model, report))
+    return 0 if report["bit_exact"] else 1
+
+
+def _command(args, world: int, out: str) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+           "--master-port", str(_free_port()), "-m", "nemo_dcr.adapters.megatron_check",
+           "--model", MODELS[args.model], "--tp", str(args.tp), "--pp", str(args.pp),
+           "--ep", str(args.ep), "--steps", str(args.steps), "--out", out]
+    if args.etp is not None:
+        cmd += ["--etp", str(args.etp)]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    return cmd
+
+
+def _text(model: str, r: dict) -> str:
+    verdict = "BIT-EXACT" if r["bit_exact"] else "NOT BIT-EXACT"
+    lines = [f"{model} {r['layout']}: {verdict} ({r['tensors']} tensors, "
+             f"{r['elements_checked']} elements checked, {r['training']})"]
+    lines += [f"  not bit-exact: {name}" for name in r["non_bit_exact"]]
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
