@@ -244,6 +244,45 @@ def test_roundtrip_with_hmac_key(encoding, tensors, key, other):
         assert_bits_equal(receiver, base)
 
 
+@st.composite
+def realistic_pairs(draw):
+    """Weight-like tensors (few exponents) of 1000-3000 elements with a sparse, mostly-ULP change set,
+    so the sparse encodings (not the raw fallback) are what gets exercised. Returns (base, target,
+    sparse_expected)."""
+    dtype = draw(st.sampled_from(sorted(DT)))
+    tdt, nbits, _, _ = DT[dtype]
+    n = draw(st.integers(1000, 3000))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    scale = draw(st.sampled_from([1e-3, 0.02, 1.0, 300.0]))
+    base_bits = ibits((torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * scale).to(tdt))
+    sp = special_bits(dtype)
+    n_special = draw(st.integers(0, 8))
+    if n_special:
+        base_bits[rng.choice(n, n_special, replace=False)] = rng.choice(np.array(sp, UINT[nbits]), n_special)
+    density = draw(st.sampled_from([0.0005, 0.002, 0.01, 0.02, 0.1, 0.4, 0.6, 0.9]))
+    ulp_only = draw(st.booleans())
+    mask = rng.random(n) < density
+    mask[rng.integers(n)] = True
+    kind = rng.integers(0, 2, n) if ulp_only else rng.integers(0, 4, n)
+    target_bits = mutate(base_bits, mask, kind, rng.integers(1, 3, n), rng.integers(0, 1 << nbits, n), sp, nbits)
+    shape = (n,) if n % 10 else (10, n // 10)
+    return ({"w": from_bits(base_bits, dtype, shape)}, {"w": from_bits(target_bits, dtype, shape)},
+            ulp_only and density <= 0.02)
+
+
+@pytest.mark.parametrize("encoding", ["dcr", "reference"])
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=realistic_pairs())
+def test_roundtrip_realistic_sparse(encoding, case):
+    base, target, sparse_expected = case
+    payload = check_roundtrip(base, target, encoding)
+    (rec,) = inspect(payload).records
+    if sparse_expected:
+        assert rec.encoding == encoding, (rec.encoding, rec.length, rec.changed)
+
+
 # seeded numpy tensors large enough that dcr (not the raw fallback) is chosen, across densities
 # on both sides of 50% so the complement position coding is exercised too
 @pytest.mark.parametrize("dtype", sorted(DT))
