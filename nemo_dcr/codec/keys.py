@@ -44,3 +44,18 @@ def unfold_steps(old: np.ndarray, u: np.ndarray, spec: DtypeSpec) -> np.ndarray:
     mod = np.int64(1 << spec.bits)
     new_key = (to_key(old, spec).astype(np.int64) + s) % mod
     return from_key(new_key.astype(np.uint64), spec)
+
+
+def signed_steps(old: np.ndarray, new: np.ndarray, spec: DtypeSpec) -> np.ndarray:
+    """Magnitude-direction steps ``d`` (int64, never 0 for changed elements): positive = away from zero."""
+    s = to_key(new, spec).astype(np.int64) - to_key(old, spec).astype(np.int64)
+    neg_old = (old.astype(np.uint64) & np.uint64(spec.sign_mask)) != 0
+    return np.where(neg_old, -s, s)
+
+
+def apply_signed_steps(old: np.ndarray, d: np.ndarray, spec: DtypeSpec) -> np.ndarray:
+    """Inverse of :func:`signed_steps`; caller checked ``0 < |d| < 2**bits``."""
+    neg_old = (old.astype(np.uint64) & np.uint64(spec.sign_mask)) != 0
+    s = np.where(neg_old, -d, d)
+    new_key = (to_key(old, spec).astype(np.int64) + s) % np.int64(1 << spec.bits)
+    return from_key(new_key.astype(np.uint64), spec)

@@ -26,7 +26,7 @@ def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, n
     if positions.size == 0:
         return "same", b"", {}
     dense_len = base_bits.size * spec.width
-    if encoding in SPARSE_ENCODINGS and positions.size < base_bits.size:
+    if encoding in SPARSE_ENCODINGS:
         if encoding == "dcr":
             body, params = encode_dcr(base_bits, positions, new_bits, spec), {}
         else:
