@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import zstandard
 
 from .dtypes import DTYPES
+from .frames import decompress_exact
 from .errors import (
     BadMagicError,
     HeaderTooLargeError,
@@ -93,15 +94,17 @@ def read_preamble(payload) -> tuple[int, int, int]:
     return flags, h_len, h_raw
 
 
+def _header_error(message: str, record=None) -> MalformedHeaderError:
+    return MalformedHeaderError(message)
+
+
 def parse_header(comp, raw_len: int) -> PayloadHeader:
     """Decompress and validate the header JSON (rules 3, 6-8)."""
+    raw = decompress_exact(comp, raw_len, _header_error, "header")
     try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(comp), max_output_size=max(raw_len, 1))
-        if len(raw) != raw_len:
-            raise MalformedHeaderError(f"header decompressed to {len(raw)} bytes, preamble says {raw_len}")
         obj = json.loads(raw.decode("utf-8"))
-    except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedHeaderError(f"header is not a zstd frame of UTF-8 JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise MalformedHeaderError(f"header is not UTF-8 JSON within limits: {str(exc)[:200]}") from None
     return _header_from_json(obj)
 
 

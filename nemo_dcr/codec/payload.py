@@ -16,7 +16,7 @@ import torch
 
 from ..capture.delta import SparseDelta
 from ..verify.checksum import tensor_checksum, updated_checksum
-from .dtypes import bits_view, spec_of
+from .dtypes import UnsupportedDtypeError, bits_view, spec_of
 from .errors import (
     AuthenticationError,
     BaseChecksumMismatchError,
@@ -174,7 +174,10 @@ def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: M
     if r.name not in base:
         raise MissingTensorError(f"receiver has no such tensor (it has {len(base)} tensors)", r.name)
     t = base[r.name]
-    spec = spec_of(t.dtype)
+    try:
+        spec = spec_of(t.dtype)
+    except UnsupportedDtypeError:
+        raise DtypeMismatchError(f"payload dtype {r.dtype}, receiver holds unsupported {t.dtype}", r.name) from None
     if spec.name != r.dtype:
         raise DtypeMismatchError(f"payload dtype {r.dtype}, receiver holds {spec.name}", r.name)
     if tuple(t.shape) != r.shape:
@@ -213,12 +216,15 @@ def apply(base: Mapping[str, torch.Tensor], payload, key: bytes | None = None,
     and how many elements of each changed.
     """
     decoded = decode(payload, base, key, base_checksums)
-    touched = {}
-    for d in decoded.deltas:
-        if d.nnz:
-            t = base[d.name]
-            if not (t.device.type == "cpu" and t.is_contiguous()):
-                raise ValueError(f"{d.name}: in-place apply needs a contiguous CPU tensor")
-            bits_view(t)[d.positions] = d.new_bits
-            touched[d.name] = d.nnz
-    return touched
+    writes = [(bits_view_for_write(base[d.name], d.name), d) for d in decoded.deltas if d.nnz]
+    for view, d in writes:  # every target was checked writable above: no partial apply
+        view[d.positions] = d.new_bits
+    return {d.name: d.nnz for _, d in writes}
+
+
+def bits_view_for_write(t: torch.Tensor, name: str) -> np.ndarray:
+    """Writable bit view of a receiver tensor, or a ValueError naming it (checked before any write)."""
+    if not (t.device.type == "cpu" and t.is_contiguous()):
+        raise ValueError(f"{name}: in-place apply needs a contiguous CPU tensor, got device {t.device}, "
+                         f"contiguous={t.is_contiguous()}")
+    return bits_view(t)

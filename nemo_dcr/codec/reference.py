@@ -11,9 +11,7 @@ import zstandard
 
 from .dtypes import DtypeSpec
 from .errors import MalformedRecordError, PositionOutOfBoundsError
-
-_MAX_WINDOW = 1 << 31
-
+from .frames import decompress_exact
 
 def pos_width(numel: int) -> int:
     """Bytes per position: 8 when the tensor has more than 2**31 - 1 elements."""
@@ -32,13 +30,7 @@ def encode_reference(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.
 
 
 def _decompress(data, expected: int, what: str, name: str) -> bytes:
-    try:
-        out = zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=max(expected, 1))
-    except zstandard.ZstdError as exc:
-        raise MalformedRecordError(f"{what} section is not a valid zstd frame: {exc}", name) from None
-    if len(out) != expected:
-        raise MalformedRecordError(f"{what} section holds {len(out)} bytes, expected {expected}", name)
-    return out
+    return decompress_exact(data, expected, MalformedRecordError, f"{what} section", name)
 
 
 def decode_reference(body, params: dict, changed: int, base_bits: np.ndarray, spec: DtypeSpec, name: str):
