@@ -39,8 +39,8 @@ DEEPSEEK = ModelDims(num_layers=8, hidden_size=1024, num_attention_heads=16, voc
 LAYOUTS = [
     ("smollm2", "llama", SMOLLM2, ParallelLayout()),
     ("smollm2", "llama", SMOLLM2, ParallelLayout(tp=3, pp=2)),
-    ("qwen3-moe", "qwen3_moe", QWEN3_MOE, ParallelLayout(tp=2, pp=2, ep=2, etp=1)),
-    ("qwen3-moe", "qwen3_moe", QWEN3_MOE, ParallelLayout(tp=2, pp=2, ep=2, etp=2)),
+    ("qwen3-moe", "qwen3_moe", QWEN3_MOE, ParallelLayout(tp=2, pp=2, ep=2, etp=1, dp=2)),
+    ("qwen3-moe", "qwen3_moe", QWEN3_MOE, ParallelLayout(tp=2, pp=2, ep=2, etp=2, dp=2)),
     ("deepseek-mla", "deepseek_v3", DEEPSEEK, ParallelLayout(tp=2, pp=2, ep=4, etp=1, dp=2)),
 ]
 
