@@ -36,22 +36,22 @@ def set_rice_k(n_coded: int, size: int) -> int:
 
 @dataclass(frozen=True)
 class GroupIndex:
-    """Elements of a base tensor grouped by exponent runs, in flat order within each group."""
+    """Elements of a base tensor ordered by (exponent, flat index); each group is a contiguous slice.
+
+    Groups are runs of consecutive exponents, so one stable sort by exponent serves every group
+    (no per-group passes, no lookup table); elements outside the groups' range sort to the ends.
+    """
 
     order: np.ndarray
     starts: np.ndarray
 
     @classmethod
     def build(cls, base_bits: np.ndarray, spec: DtypeSpec, lo: int, widths: list[int]) -> "GroupIndex":
-        lut = np.full(spec.n_exponents, len(widths), dtype=np.uint8 if len(widths) < 255 else np.uint16)
-        e = lo
-        for g, w in enumerate(widths):
-            lut[e : e + w] = g
-            e += w
-        gid = lut[spec.exponent(base_bits)]
-        order = np.argsort(gid, kind="stable")
-        counts = np.bincount(gid, minlength=len(widths) + 1)[: len(widths)]
-        return cls(order, np.concatenate([[0], np.cumsum(counts)]))
+        e = spec.exponent(base_bits)
+        order = np.argsort(e, kind="stable")
+        first = np.concatenate([[0], np.cumsum(np.bincount(e, minlength=spec.n_exponents))])
+        bounds = lo + np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
+        return cls(order, first[bounds])
 
     def size(self, g: int) -> int:
         return int(self.starts[g + 1] - self.starts[g])
