@@ -1,1 +1,18 @@
+"""Transactional engine-side apply: validate every part, write with an undo log, verify, commit.
 
+Usage::
+
+    from nemo_dcr.apply import TensorEngine
+    engine = TensorEngine(named_tensors, version=0, key=key)
+    result = engine.apply([payload])      # ApplyResult(touched={name: count}, ...)
+"""
+
+from .engine import TensorEngine
+from .errors import (ApplyVerificationError, IncompletePartsError, InjectedFault, RefitRefusedError,
+                     VersionMismatchError)
+from .guard import VersionGuard
+from .transaction import ApplyResult, UndoLog, apply_parts, resync_parts
+
+__all__ = ["ApplyResult", "ApplyVerificationError", "IncompletePartsError", "InjectedFault",
+           "RefitRefusedError", "TensorEngine", "UndoLog", "VersionGuard", "VersionMismatchError",
+           "apply_parts", "resync_parts"]

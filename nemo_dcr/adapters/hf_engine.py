@@ -1,0 +1,96 @@
+"""A Hugging Face transformers causal LM as a refit engine (runs on CPU).
+
+The live parameters of the model are the engine's tensors: payloads are scattered in place
+into them through integer views (:class:`nemo_dcr.apply.TensorEngine`), so no state dict is
+copied or reloaded.  ``generate`` holds the engine's read guard for the whole call, so a
+generation never sees two versions.  Tied embeddings appear once (``named_parameters``
+de-duplicates shared storage), which is also the canonical HF naming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from nemo_dcr.apply import ApplyResult, TensorEngine
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Tokens generated and the single version that produced them."""
+
+    tokens: torch.Tensor
+    version: int
+
+
+class HFEngine:
+    """Wraps a transformers ``*ForCausalLM`` as an engine.
+
+    Args:
+        model: the model (converted in place to ``dtype``, put in eval mode).
+        dtype: serving dtype of the parameters.
+        version: the version the weights hold.
+        key: HMAC key every payload must carry.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, version: int = 0,
+                 key: bytes | None = None):
+        self.model = model.to(dtype).eval()
+        tensors = {n: p.data for n, p in self.model.named_parameters()}
+        bad = [n for n, t in tensors.items() if not t.is_contiguous()]
+        if bad:
+            raise ValueError(f"parameters must be contiguous for in-place apply: {bad[:5]}")
+        self.engine = TensorEngine(tensors, version, key)
+
+    @classmethod
+    def from_config(cls, config, seed: int = 0, **kwargs) -> "HFEngine":
+        """A randomly initialized model of ``config`` (any causal LM config)."""
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        return cls(AutoModelForCausalLM.from_config(config), **kwargs)
+
+    @classmethod
+    def from_embedded(cls, **kwargs) -> "HFEngine":
+        """The embedded SmolLM2-135M-Instruct (see :mod:`nemo_dcr.adapters.hf`)."""
+        from nemo_dcr.adapters.hf import load_embedded_model
+
+        return cls(load_embedded_model(torch.float32), **kwargs)
+
+    @property
+    def version(self) -> int:
+        """Version of the live weights."""
+        return self.engine.version
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Live parameters by canonical name (do not write into them)."""
+        return self.engine.tensors
+
+    def apply(self, parts: Sequence[bytes]) -> ApplyResult:
+        """Apply one version in place (transactional); returns touched tensors and counts."""
+        return self.engine.apply(parts)
+
+    def resync(self, parts: Sequence[bytes]) -> ApplyResult:
+        """Full resync in place (transactional)."""
+        return self.engine.resync(parts)
+
+    def checksums(self, full: bool = False) -> dict[str, int]:
+        """Per-tensor checksums (incremental, or a full scan)."""
+        return self.engine.checksums(full)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 8) -> Generation:
+        """Greedy generation from one version of the weights."""
+        with self.engine.serving() as version:
+            out = self.model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                      attention_mask=torch.ones_like(input_ids), pad_token_id=0)
+        return Generation(out, version)
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Next-token logits and the version that produced them."""
+        with self.engine.serving() as version:
+            return self.model(input_ids).logits, version

@@ -1,0 +1,229 @@
+"""One refit as a transaction over named tensors (any device: writes are ``index_put`` on
+integer views).
+
+Phases (docs/refit.md, "Transactions"):
+
+1. **validate**: every part is decoded by :func:`nemo_dcr.codec.decode` against the live
+   tensors (authentication, names, dtypes, shapes, bounds, base checksum, target checksum)
+   and the versions are checked: each part's base is the engine's version, all parts share one
+   target.  Nothing is written before all parts passed.
+2. **write**: for each tensor, its old bits at the changed positions go into the
+   :class:`UndoLog` *before* the new bits are scattered in (nnz-sized).
+3. **verify**: the written positions are read back and the incremental checksum
+   ``C' = C - sum h(i, old) + sum h(i, read back)`` must equal the record's target checksum.
+4. **commit** (caller moves its version) or, on any exception in 2-3, **roll back**: the undo
+   log restores every touched element in reverse order, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from nemo_dcr.capture.baseline import int_view
+from nemo_dcr.capture.delta import SparseDelta
+from nemo_dcr.codec import decode, inspect
+from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
+from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
+
+from .errors import ApplyVerificationError, IncompletePartsError, VersionMismatchError
+
+RESYNC_BASE_VERSION = 0
+"""Base version of every resync payload: it is encoded against all-zero tensors."""
+
+FaultHook = Callable[[str], None]
+"""Called after each tensor is written (chaos and tests raise from it)."""
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What one committed transaction did.
+
+    Attributes:
+        base_version: version before.
+        target_version: version after.
+        touched: tensor name -> elements written (only tensors with changes).
+        checksums: tensor name -> checksum after the apply, for every tensor in the payload.
+        resync: the transaction was a full resync.
+        undo_bytes: size the undo log reached.
+    """
+
+    base_version: int
+    target_version: int
+    touched: dict[str, int]
+    checksums: dict[str, int]
+    resync: bool = False
+    undo_bytes: int = 0
+
+
+@dataclass
+class UndoLog:
+    """Old bits of every element a transaction wrote; nnz-sized (whole tensors for a resync)."""
+
+    _entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+
+    def scatter(self, view: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+        """``view[pos] = new`` after saving ``view[pos]``."""
+        self._entries.append((view, pos, view[pos].clone()))
+        view[pos] = new
+
+    def overwrite(self, view: torch.Tensor, new: torch.Tensor) -> None:
+        """``view[:] = new`` after saving the whole tensor."""
+        self._entries.append((view, None, view.clone()))
+        view.copy_(new)
+
+    def rollback(self) -> None:
+        """Restore every saved element, newest first."""
+        for view, pos, old in reversed(self._entries):
+            if pos is None:
+                view.copy_(old)
+            else:
+                view[pos] = old
+        self._entries.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (old bits plus positions)."""
+        return sum(old.numel() * old.element_size() + (0 if pos is None else pos.numel() * 8)
+                   for _, pos, old in self._entries)
+
+
+def _signed(bits: np.ndarray) -> torch.Tensor:
+    signed = {1: np.uint8, 2: np.int16, 4: np.int32}[bits.itemsize]
+    return torch.from_numpy(np.ascontiguousarray(bits).view(signed))
+
+
+def _readback(view: torch.Tensor, pos: torch.Tensor, dtype: str) -> np.ndarray:
+    from nemo_dcr.codec.dtypes import DTYPES
+
+    return view[pos].cpu().numpy().view(DTYPES[dtype].uint)
+
+
+def _check_versions(headers, version: int, resync: bool) -> int:
+    targets = {h.target_version for h in headers}
+    if not headers or len(targets) != 1:
+        raise IncompletePartsError(f"parts disagree on the target version: {sorted(targets)}")
+    target = targets.pop()
+    for h in headers:
+        base = RESYNC_BASE_VERSION if resync else version
+        if h.base_version != base or (resync and target <= version):
+            raise VersionMismatchError(version, h.base_version, h.target_version)
+    names = [r.name for h in headers for r in h.records]
+    if len(set(names)) != len(names):
+        raise IncompletePartsError("two parts carry a record for the same tensor")
+    return target
+
+
+def _transact(writes: Callable[[UndoLog], dict[str, int]]) -> tuple[dict[str, int], int]:
+    undo = UndoLog()
+    try:
+        touched = writes(undo)
+        return touched, undo.nbytes
+    except BaseException:
+        undo.rollback()
+        raise
+
+
+def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
+                checksums: Mapping[str, int], key: bytes | None = None,
+                fault: FaultHook | None = None) -> ApplyResult:
+    """Apply all parts of one version as one transaction (see the module docstring).
+
+    Args:
+        tensors: the engine's live tensors by canonical name (contiguous, any device).
+        parts: payloads of one version (one per sender or bucket).
+        version: the version the engine holds.
+        checksums: the engine's current checksum of each tensor.
+        key: HMAC key the payloads must carry.
+        fault: hook called after each tensor written (fault injection).
+
+    Raises:
+        DeltaFormatError, VersionMismatchError, IncompletePartsError: refused, nothing written.
+        ApplyVerificationError, or whatever ``fault`` raises: rolled back exactly.
+    """
+    decoded = [decode(p, tensors, key, checksums) for p in parts]
+    target = _check_versions([d.header for d in decoded], version, resync=False)
+    records = {r.name: r for d in decoded for r in d.header.records}
+    deltas = [x for d in decoded for x in d.deltas]
+    new_ck = {d.name: int(records[d.name].target_checksum, 16) for d in deltas}
+
+    def writes(undo: UndoLog) -> dict[str, int]:
+        touched = {}
+        for d in deltas:
+            if not d.nnz:
+                continue
+            view = int_view(tensors[d.name])
+            pos = torch.from_numpy(np.ascontiguousarray(d.positions)).to(view.device)
+            undo.scatter(view, pos, _signed(d.new_bits).to(view.device))
+            touched[d.name] = d.nnz
+            if fault is not None:
+                fault(d.name)
+        _verify_sparse(tensors, deltas, checksums, new_ck)
+        return touched
+
+    touched, nbytes = _transact(writes)
+    return ApplyResult(version, target, touched, new_ck, False, nbytes)
+
+
+def _verify_sparse(tensors, deltas: Sequence[SparseDelta], checksums, new_ck) -> None:
+    for d in deltas:
+        if not d.nnz:
+            continue
+        view = int_view(tensors[d.name])
+        got = _readback(view, torch.from_numpy(np.ascontiguousarray(d.positions)).to(view.device), d.dtype)
+        have = updated_checksum(checksums[d.name], d.positions, d.old_bits, got)
+        if have != new_ck[d.name]:
+            raise ApplyVerificationError(f"{d.name}: checksum after write {have:016x}, "
+                                         f"payload target {new_ck[d.name]:016x}")
+
+
+def _zero_base(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], key) -> dict[str, torch.Tensor]:
+    base = {}
+    for p in parts:
+        for r in inspect(p, key).records:
+            t = tensors.get(r.name)
+            if t is None:
+                raise MissingTensorError(f"receiver has no such tensor ({len(tensors)} tensors)", r.name)
+            if tuple(t.shape) != r.shape:
+                raise ShapeMismatchError(f"payload shape {list(r.shape)}, receiver {list(t.shape)}", r.name)
+            base[r.name] = torch.zeros(t.shape, dtype=t.dtype)
+    return base
+
+
+def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
+                 key: bytes | None = None, fault: FaultHook | None = None) -> ApplyResult:
+    """Full resync: payloads encoded against all-zero tensors overwrite the named tensors.
+
+    The target version must be newer than ``version``; tensors not in the payload keep their
+    bits.  The undo log holds whole tensors (a resync is a 100%-density delta).
+    """
+    zeros = _zero_base(tensors, parts, key)
+    decoded = [decode(p, zeros, key) for p in parts]
+    target = _check_versions([d.header for d in decoded], version, resync=True)
+    records = {r.name: r for d in decoded for r in d.header.records}
+    deltas = [x for d in decoded for x in d.deltas]
+    del zeros
+
+    def writes(undo: UndoLog) -> dict[str, int]:
+        touched = {}
+        for d in deltas:
+            view = int_view(tensors[d.name])
+            full = torch.zeros_like(view, device="cpu")
+            full[torch.from_numpy(np.ascontiguousarray(d.positions))] = _signed(d.new_bits)
+            undo.overwrite(view, full.to(view.device))
+            touched[d.name] = int(view.numel())
+            if fault is not None:
+                fault(d.name)
+            got = tensor_checksum(view.cpu().numpy().view(spec_of(tensors[d.name].dtype).uint))
+            if got != int(records[d.name].target_checksum, 16):
+                raise ApplyVerificationError(f"{d.name}: checksum after resync {got:016x}, "
+                                             f"payload target {records[d.name].target_checksum}")
+        return touched
+
+    touched, nbytes = _transact(writes)
+    new_ck = {n: int(r.target_checksum, 16) for n, r in records.items()}
+    return ApplyResult(version, target, touched, new_ck, True, nbytes)

@@ -1,0 +1,1 @@
+"""Refit pipeline: sender mirror, routing, payloads, engine server, coordinator (docs/refit.md)."""
