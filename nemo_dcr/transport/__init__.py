@@ -1,1 +1,9 @@
+"""Transports between trainer ranks and engine ranks (in-process, torch.distributed, fsspec, CUDA IPC)."""
 
+from .base import Envelope, MessageKind, Transport, TransportError, TransportUnavailableError
+from .dist import DistTransport
+from .inproc import InProcHub, InProcTransport
+from .store import StoreTransport
+
+__all__ = ["DistTransport", "Envelope", "InProcHub", "InProcTransport", "MessageKind", "StoreTransport",
+           "Transport", "TransportError", "TransportUnavailableError"]

@@ -1,0 +1,102 @@
+"""Messages between trainer ranks and engine ranks, and the transport contract.
+
+Every transport moves :class:`Envelope` values between integer ranks of one refit group
+(trainer ranks first, then engine ranks).  Bodies are opaque bytes: delta payloads are
+authenticated by the codec's HMAC (docs/wire_format.md rule 5); transports that cross a trust
+boundary (files, object stores) also authenticate the envelope itself.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+
+class MessageKind(IntEnum):
+    """What an envelope carries."""
+
+    DELTA = 1
+    """One part of a sparse refit payload (engine applies all parts of a version at once)."""
+    RESYNC = 2
+    """One part of a full resync payload (encoded against zeros)."""
+    ACK = 3
+    """Engine committed ``version``; body: JSON with checksums."""
+    NACK = 4
+    """Engine refused or rolled back ``version``; body: JSON with the reason and its version."""
+    ROUTE = 5
+    """Trainer to trainer: canonical sparse changes for tensors the receiver owns."""
+    QUERY = 6
+    """Ask an engine for its version and checksums (``version`` = 1: full scan)."""
+    STATE = 7
+    """Engine's answer to QUERY; body: JSON with version and checksums."""
+    STOP = 8
+    """Shut the engine loop down."""
+
+
+class TransportError(RuntimeError):
+    """A message could not be sent or received (timeout, closed peer, bad envelope MAC)."""
+
+
+class TransportUnavailableError(TransportError):
+    """The transport needs hardware or a package this process does not have."""
+
+
+_HEAD = struct.Struct("<4sBqiiB")
+_MAGIC = b"NDCE"
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One message.
+
+    Attributes:
+        kind: what the body is.
+        version: the target version it is about.
+        sender: rank of the sender.
+        part: index of this part among the sender's parts of ``version``.
+        last: this is the sender's last part of ``version``.
+        body: payload bytes (opaque to the transport).
+    """
+
+    kind: MessageKind
+    version: int
+    sender: int
+    part: int = 0
+    last: bool = True
+    body: bytes = b""
+
+    def to_bytes(self) -> bytes:
+        """Fixed 22-byte head followed by the body."""
+        return _HEAD.pack(_MAGIC, int(self.kind), self.version, self.sender, self.part,
+                          int(self.last)) + self.body
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Envelope":
+        """Inverse of :meth:`to_bytes`; raises :class:`TransportError` on a malformed head."""
+        if len(data) < _HEAD.size:
+            raise TransportError(f"envelope of {len(data)} bytes is shorter than its head")
+        magic, kind, version, sender, part, last = _HEAD.unpack_from(data)
+        if magic != _MAGIC or kind not in MessageKind._value2member_map_ or last > 1:
+            raise TransportError(f"malformed envelope head {bytes(data[:_HEAD.size])!r}")
+        return cls(MessageKind(kind), version, sender, part, bool(last), bytes(data[_HEAD.size:]))
+
+
+class Transport(Protocol):
+    """Point-to-point delivery of envelopes, in order per (sender, receiver) pair."""
+
+    rank: int
+
+    def send(self, dst: int, env: Envelope) -> None:
+        """Deliver ``env`` to ``dst`` (may return before delivery; see ``flush``)."""
+
+    def flush(self) -> None:
+        """Wait until every message sent so far left this process."""
+
+    def recv(self, src: int | None = None, timeout: float | None = None) -> Envelope:
+        """Next envelope for this rank (from ``src`` only, when given).
+
+        Raises:
+            TransportError: nothing arrived within ``timeout`` seconds.
+        """

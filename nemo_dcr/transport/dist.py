@@ -1,0 +1,112 @@
+"""torch.distributed point-to-point transport (gloo on CPU; the same calls run on NCCL).
+
+Each envelope goes as a 2-element int64 head ``(nbytes, chunk_bytes)`` followed by
+``ceil(nbytes / chunk_bytes)`` uint8 chunks, so neither side ever stages more than
+``chunk_bytes * max_inflight`` extra bytes.  Sends are asynchronous (``isend``-style works on
+the process group, at most ``max_inflight`` chunks in flight): the caller encodes the next bucket
+while the previous one is on the wire, and calls :meth:`DistTransport.flush` at the end of a
+version.  Receiving runs in one daemon thread per transport that blocks in ``recv_anysource`` and
+files whole envelopes into a mailbox; :meth:`DistTransport.recv` waits on the mailbox with a
+timeout (a gloo wait that times out would close the connection), so no message is lost or split.
+
+The process group is passed as a value (``torch.distributed.ProcessGroupGloo(store, rank,
+size)`` or the default group), so a refit group of trainer and engine ranks can live next to
+the trainer's own Megatron world.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+from .base import Envelope, TransportError
+
+DEFAULT_CHUNK = 4 << 20
+_TAG = 0
+
+
+class DistTransport:
+    """Envelope transport over a ``torch.distributed`` process group object.
+
+    Args:
+        pg: process group (ranks of the refit group); ``pg.send/recv/recv_anysource`` are used.
+        rank: this process's rank in ``pg``.
+        chunk_bytes: chunk size on the wire.
+        max_inflight: chunks in flight per sender before ``send`` waits for the oldest.
+        device: device of the staging tensors (``cpu`` for gloo, ``cuda`` for NCCL).
+    """
+
+    def __init__(self, pg, rank: int, chunk_bytes: int = DEFAULT_CHUNK, max_inflight: int = 4,
+                 device: str = "cpu"):
+        self.pg = pg
+        self.rank = rank
+        self.chunk_bytes = chunk_bytes
+        self.max_inflight = max_inflight
+        self.device = device
+        self.bytes_sent = 0
+        self._inflight: deque = deque()
+        self._box: list = []
+        self._cond = threading.Condition()
+        self._receiver: threading.Thread | None = None
+
+    def _post(self, tensor: torch.Tensor, dst: int) -> None:
+        while len(self._inflight) >= self.max_inflight:
+            self._inflight.popleft()[0].wait()
+        self._inflight.append((self.pg.send([tensor], dst, _TAG), tensor))
+
+    def send(self, dst: int, env: Envelope) -> None:
+        """Queue ``env`` for ``dst``; returns once its last chunk is posted."""
+        data = env.to_bytes()
+        self._post(torch.tensor([len(data), self.chunk_bytes], dtype=torch.int64), dst)
+        for s in range(0, len(data), self.chunk_bytes):
+            chunk = torch.frombuffer(bytearray(data[s:s + self.chunk_bytes]), dtype=torch.uint8)
+            self._post(chunk.to(self.device), dst)
+        self.bytes_sent += len(data)
+
+    def flush(self) -> None:
+        """Wait for every posted send."""
+        while self._inflight:
+            self._inflight.popleft()[0].wait()
+
+    def _receive_loop(self) -> None:
+        while True:
+            head = torch.zeros(2, dtype=torch.int64)
+            work = self.pg.recv_anysource([head], _TAG)
+            work.wait()
+            peer = work._source_rank()
+            nbytes, chunk = int(head[0]), int(head[1])
+            buf = bytearray(nbytes)
+            for s in range(0, nbytes, chunk):
+                part = torch.empty(min(chunk, nbytes - s), dtype=torch.uint8, device=self.device)
+                self.pg.recv([part], peer, _TAG).wait()
+                buf[s:s + part.numel()] = part.cpu().numpy().tobytes()
+            try:
+                env = Envelope.from_bytes(bytes(buf))
+            except TransportError as exc:  # keep the loop alive; the caller sees the error
+                env = exc
+            with self._cond:
+                self._box.append(env)
+                self._cond.notify_all()
+
+    def recv(self, src: int | None = None, timeout: float | None = None) -> Envelope:
+        """Next envelope (from ``src`` when given); raises :class:`TransportError` on timeout."""
+        with self._cond:
+            if self._receiver is None:
+                self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
+                                                  name=f"refit-recv-{self.rank}")
+                self._receiver.start()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                for i, env in enumerate(self._box):
+                    if isinstance(env, TransportError) or src is None or env.sender == src:
+                        got = self._box.pop(i)
+                        if isinstance(got, TransportError):
+                            raise got
+                        return got
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransportError(f"rank {self.rank}: nothing from {src} within {timeout}s")
+                self._cond.wait(left)
