@@ -106,6 +106,12 @@ def golden_tensors() -> tuple[dict, dict]:
     t[2] = 0xFF
     t[50] = (b[50] + 1) & 0xFF
     t[90] = (b[90] - 1) & 0xFF
+    for i in (13, 23, 52, 62, 81, 91, 110, 120):  # every element of class 6 changes (+1 ULP)
+        t[i] = b[i] + 1
+    for i, step in ((4, 1), (14, 2), (33, 5), (43, -1), (72, 1), (101, 9)):  # 6 of the 8 in class 7
+        t[i] = b[i] + step
+    for i, step in ((15, 3), (44, 4), (73, -3)):  # class 9: every step of at least 3 ULPs
+        t[i] = b[i] + step
     base["embed.weight"] = from_bits(b, "fp8_e4m3", (4, 32))
     target["embed.weight"] = from_bits(t, "fp8_e4m3", (4, 32))
 
@@ -195,14 +201,15 @@ class _Bytes:
         self.data, self.pos = data, 0
 
     def varint(self) -> int:
-        v, shift = 0, 0
-        while True:
+        """Unsigned LEB128, at most 10 bytes."""
+        v = 0
+        for i in range(10):
             byte = self.data[self.pos]
             self.pos += 1
-            v |= (byte & 0x7F) << shift
-            shift += 7
+            v |= (byte & 0x7F) << (7 * i)
             if not byte & 0x80:
                 return v
+        raise AssertionError("varint longer than 10 bytes")
 
     def byte(self) -> int:
         self.pos += 1
@@ -232,49 +239,105 @@ class _Bits:
         return self.pos == len(self.bits)
 
 
-def spec_decode_dcr(body: bytes, base: list[int], nbits: int, shift: int, ebits: int) -> dict[int, int]:
-    """Section 4.4, element by element. Returns {position: new bits}."""
-    cls = [(b >> shift) & ((1 << ebits) - 1) for b in base]
-    members = {c: [i for i, x in enumerate(cls) if x == c] for c in range(1 << ebits)}
+def set_k(m: int, size: int) -> int:
+    """Rice parameter of a coded set: ``m`` ranks coded out of ``size`` (section 4.4, integers only)."""
+    return max(0, ((((size - m) // m) * 45426) >> 16).bit_length() - 1)
+
+
+def spec_decode_dcr(body: bytes, base: list[int], nbits: int, shift: int, ebits: int,
+                    seen: set | None = None) -> dict[int, int]:
+    """Section 4.4, element by element, checking every MUST. Returns {position: new bits}.
+
+    ``seen`` collects which parts of the coding the body used (to keep the golden data covering them).
+    """
+    seen = set() if seen is None else seen
+    n_classes = 1 << ebits
     rd = _Bytes(body)
-    lo, hi = rd.varint(), rd.varint()
+    # group table
+    lo, n_groups = rd.varint(), rd.varint()
+    assert 1 <= n_groups <= n_classes
+    widths = [rd.varint() for _ in range(n_groups)]
+    assert all(w >= 1 for w in widths) and lo + sum(widths) <= n_classes
+    group_of = {}
+    c = lo
+    for g, w in enumerate(widths):
+        for _ in range(w):
+            group_of[c] = g
+            c += 1
+    cls = [(b >> shift) & (n_classes - 1) for b in base]
+    # per group: its elements ordered by class, then by increasing flat index (rank = list index)
+    members = [[] for _ in widths]
+    for i in sorted(range(len(base)), key=lambda i: (cls[i], i)):
+        if cls[i] in group_of:
+            members[group_of[cls[i]]].append(i)
     table = []
-    for c in range(lo, hi + 1):
-        n, size = rd.varint(), len(members[c])
-        k_pos = rd.byte() if 0 < n < size else None
-        k_val = rd.byte() if n > 0 else None
-        table.append((c, n, k_pos, k_val))
-    lengths = [rd.varint() for _ in range(4)]
+    for g in range(n_groups):
+        n, n_neg, m_off, n_nz, k_val = rd.varint(), 0, 0, 0, None
+        assert n <= len(members[g])
+        if n:
+            n_neg, m_off, n_nz = rd.varint(), rd.varint(), rd.varint()
+            assert n_neg <= n and n_nz <= n
+            assert n_nz < n  # m_off is the minimum of |d| - 1: some change has exactly m_off
+            if n_nz:
+                k_val = rd.byte()
+                assert k_val <= 63
+        table.append((n, n_neg, m_off, n_nz, k_val))
+    # two stream lengths, then Q || R || zero padding, and nothing after
+    q_len, r_len = rd.varint(), rd.varint()
     rest = body[rd.pos :]
+    assert len(rest) == (q_len + r_len + 7) // 8
     allbits = [(byte >> (7 - j)) & 1 for byte in rest for j in range(8)]
-    assert len(rest) == (sum(lengths) + 7) // 8 and not any(allbits[sum(lengths) :])
-    cuts = np.cumsum([0] + lengths)
-    pq, pr, vq, vr = (_Bits(allbits[cuts[i] : cuts[i + 1]]) for i in range(4))
-    changed_ranks = {}
-    for c, n, k_pos, _ in table:
-        size = len(members[c])
-        if n == 0:
-            continue
-        if n == size:
-            changed_ranks[c] = list(range(size))
-            continue
-        m = n if 2 * n <= size else size - n
+    assert not any(allbits[q_len + r_len :])
+    q, r = _Bits(allbits[:q_len]), _Bits(allbits[q_len : q_len + r_len])
+
+    def rice(k: int) -> int:
+        v = (q.unary() << k) | r.fixed(k)
+        assert v < 1 << 64
+        return v
+
+    def coded_set(count: int, size: int) -> list[int]:
+        if count == 0:
+            return []
+        if count == size:
+            seen.add("full_set")
+            return list(range(size))
+        m = count if 2 * count <= size else size - count
+        k = set_k(m, size)
+        seen.add("set" if m == count else "complement_set")
+        seen.add("set_k>0" if k else "set_k=0")
         ranks, prev = [], -1
         for _ in range(m):
-            g = (pq.unary() << k_pos) | pr.fixed(k_pos)
-            prev = prev + g + 1
+            gap = rice(k)
+            assert gap < size
+            prev += gap + 1
+            assert prev < size
             ranks.append(prev)
-        changed_ranks[c] = ranks if 2 * n <= size else sorted(set(range(size)) - set(ranks))
+        return ranks if m == count else [x for x in range(size) if x not in set(ranks)]
+
     out = {}
-    for c, n, _, k_val in table:
-        for r in changed_ranks.get(c, []):
-            u = (vq.unary() << k_val) | vr.fixed(k_val)
-            d = (u >> 1) + 1
-            d = -d if u & 1 else d
-            old = base[members[c][r]]
+    for g, (n, n_neg, m_off, n_nz, k_val) in enumerate(table):
+        if not n:
+            continue
+        # signs and magnitudes index the group's changes "in increasing position order" (flat index);
+        # this differs from rank order only when a group's changes lie in more than one class
+        changes = sorted(members[g][rank] for rank in coded_set(n, len(members[g])))
+        neg = set(coded_set(n_neg, n))
+        nz = coded_set(n_nz, n)
+        seen.update({"groups>1" if n_groups > 1 else "groups=1", "m_off>0" if m_off else "m_off=0"})
+        if n_nz:
+            seen.add("k_val>0" if k_val else "k_val=0")
+        if 0 < n_neg < n:
+            seen.add("mixed_signs")
+        mag = [m_off + 1] * n  # |d|
+        for j in nz:
+            mag[j] = rice(k_val) + 2 + m_off
+        for j, pos in enumerate(changes):
+            assert 0 < mag[j] < 1 << nbits
+            d = -mag[j] if j in neg else mag[j]
+            old = base[pos]
             s = -d if old & (1 << (nbits - 1)) else d
-            out[members[c][r]] = _unkey((_key(old, nbits) + s) % (1 << nbits), nbits)
-    assert pq.done() and pr.done() and vq.done() and vr.done()
+            out[pos] = _unkey((_key(old, nbits) + s) % (1 << nbits), nbits)
+    assert q.done() and r.done()  # Q holds exactly the needed codes and ends with the last one; R too
     return out
 
 
@@ -410,3 +473,16 @@ def test_golden_files_differ_only_where_expected():
     plain, auth = golden("golden_dcr.bin"), golden("golden_dcr_hmac.bin")
     assert auth[:6] == plain[:6] and auth[8:-32] == plain[8:]
     assert auth[6:8] == b"\x01\x00" and plain[6:8] == b"\x00\x00"
+
+
+def test_golden_dcr_covers_the_coding():
+    """The golden dcr records use every part of section 4.4 the reference encoder can produce."""
+    p = Parsed(golden("golden_dcr.bin"), None)
+    base, _ = golden_tensors()
+    seen = set()
+    for r, body in zip(p.header["records"], p.bodies):
+        if r["encoding"] == "dcr":
+            _, nbits, shift, ebits = SPEC[r["dtype"]]
+            spec_decode_dcr(body, [int(x) for x in ibits(base[r["name"]])], nbits, shift, ebits, seen)
+    assert {"set", "complement_set", "full_set", "set_k=0", "set_k>0", "groups>1", "m_off=0", "m_off>0",
+            "k_val>0", "mixed_signs"} <= seen, seen
