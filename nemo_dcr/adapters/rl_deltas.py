@@ -305,17 +305,23 @@ def make_deltas(
     dirs = [write_step(out_dir, 0, prev, {**base, "density": None}, config)]
     for step in range(1, steps + 1):
         t = time.perf_counter()
-        stats = train_step(model, optimizer, tokenizer, make_problems(rng, cfg.prompts_per_step), cfg)
+        problems = make_problems(rng, cfg.prompts_per_step)
+        stats = train_step(model, optimizer, tokenizer, problems, cfg)
         cur = state_dict_bits(model)
-        changed, total = count_changed(prev, cur)
-        if changed == 0:
-            raise RuntimeError(f"step {step} changed no bf16 element (lr {cfg.lr} too small?)")
-        meta = {"step": step, **base, **asdict(stats), "changed": changed, "numel": total,
-                "density": changed / total, "seconds": round(time.perf_counter() - t, 2)}  # fmt: skip
+        meta = {"step": step, **base, **asdict(stats), **_density(prev, cur, step, cfg.lr)}
+        meta["seconds"] = round(time.perf_counter() - t, 2)
         dirs.append(write_step(out_dir, step, cur, meta, config))
         log(_progress_line(meta))
         prev = cur
     return dirs
+
+
+def _density(prev: dict, cur: dict, step: int, lr: float) -> dict:
+    """``changed``/``numel``/``density`` of a step; raises if nothing changed."""
+    changed, total = count_changed(prev, cur)
+    if changed == 0:
+        raise RuntimeError(f"step {step} changed no bf16 element (lr {lr} too small?)")
+    return {"changed": changed, "numel": total, "density": changed / total}
 
 
 def _progress_line(meta: dict) -> str:

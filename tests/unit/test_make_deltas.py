@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -124,3 +125,24 @@ def test_pad_left_and_positions():
 def test_config_validation():
     with pytest.raises(ValueError, match="objective"):
         rl_deltas.RLConfig(objective="ppo")
+
+
+def test_pg_falls_back_to_lm_when_no_group_has_reward_variance(monkeypatch):
+    cfg = rl_deltas.RLConfig(group_size=3, prompts_per_step=2)
+    problems = rl_deltas.make_problems(random.Random(0), 2)
+    dummy = torch.zeros(6, 4, dtype=torch.long)
+    texts = ["no number"] * 6  # every answer earns 0: zero variance in every group
+    monkeypatch.setattr(rl_deltas, "sample", lambda *a: (dummy, dummy, dummy, texts))
+    monkeypatch.setattr(rl_deltas, "lm_loss", lambda *a: torch.tensor(2.5, requires_grad=True))
+    loss, stats = rl_deltas.pg_loss(None, None, problems, cfg)
+    assert stats.fallback and float(loss.detach()) == 2.5 and stats.reward_mean == 0.0
+
+
+def test_cli_registers_make_deltas():
+    from nemo_dcr.cli import build_parser
+
+    args = build_parser("make-deltas").parse_args(
+        ["make-deltas", "--steps", "3", "--out", "x", "--group-size", "4", "--objective", "lm"]
+    )
+    assert (args.steps, args.lr, args.group_size, args.objective) == (3, 1e-6, 4, "lm")
+    assert args.prompts_per_step == 2 and args.max_new_tokens == 8 and callable(args.func)
