@@ -20,6 +20,8 @@ COMMANDS = {
     "inspect": "checkpoint_cmds",
     "make-deltas": "make_deltas",
     "check-layout": "check_layout",
+    "demo": "demo",
+    "report": "report",
 }
 
 
