@@ -259,6 +259,7 @@ def write_step(out_dir: Path, step: int, bits: dict[str, torch.Tensor], meta: di
     if config is not None:
         cfg = json.loads(config.to_json_string())
         cfg["dtype"] = "bfloat16"
+        cfg.pop("quantization_config", None)  # GGUF origin; these weights are plain bf16
         (step_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return step_dir
 

