@@ -1,0 +1,104 @@
+"""Recipe config: defaults inheritance, key=value overrides, and refusals that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_dcr.config import ConfigError, DcrConfig, RecipeConfig, load_config, to_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = ROOT / "configs" / "grpo_smollm2_cpu.yaml"
+
+
+def test_shipped_configs_load():
+    cfg = load_config(CFG)
+    assert (cfg.trainer.tp, cfg.trainer.pp, cfg.dcr.encoding) == (3, 2, "dcr")
+    assert cfg.dcr.telemetry_dir == cfg.run.run_dir  # interpolation resolved
+    ref = load_config(ROOT / "configs" / "grpo_smollm2_cpu_reference.yaml")
+    assert ref.dcr.encoding == "reference" and ref.dcr.baseline == "file"
+    assert ref.trainer.tp == 3  # inherited through two levels of defaults
+    assert ref.dcr.baseline_dir == "runs/grpo_dcr_reference/baseline"
+
+
+def test_overrides_win_and_parse_yaml_values():
+    cfg = load_config(CFG, ["run.steps=7", "dcr.enabled=false", "trainer.lr=1e-5",
+                            "dcr.key_file=null", "dcr.telemetry_encodings=[raw]"])
+    assert cfg.run.steps == 7 and cfg.dcr.enabled is False and cfg.trainer.lr == 1e-5
+    assert cfg.dcr.telemetry_encodings == ["raw"]
+
+
+@pytest.mark.parametrize("override, key, text", [
+    ("dcr.encodng=dcr", "dcr.encodng", "did you mean 'dcr.encoding'"),
+    ("dcr.encoding=zip", "dcr.encoding", "must be one of"),
+    ("trainer.tp=abc", "trainer.tp", "could not be converted"),
+    ("dcr.transport=file", "dcr.url", "needs a url"),
+    ("dcr.baseline=file", "dcr.baseline_dir", "needs a folder"),
+    ("dcr.verify_interval=-1", "dcr.verify_interval", ">= 0"),
+    ("task.group_size=1", "task.group_size", ">= 2"),
+    ("engine.rank=6", "engine.rank", "world size"),
+    ("trainer.ep=2", "trainer.ep", "dense model"),
+    ("nosuch.key=1", "nosuch", "unknown key"),
+])
+def test_bad_values_are_refused_naming_the_key(override, key, text):
+    with pytest.raises(ConfigError) as err:
+        load_config(CFG, [override])
+    assert err.value.key == key and text in str(err.value) and str(err.value).startswith(key)
+
+
+@pytest.mark.parametrize("override", ["foo", "=1", "+dcr.x=1", "~dcr.url="])
+def test_malformed_overrides(override):
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(CFG, [override])
+
+
+def test_defaults_errors(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: missing\n")
+    with pytest.raises(ConfigError, match="no such config file 'missing'"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text("defaults: c\n")
+    (tmp_path / "c.yaml").write_text("defaults: b\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "b.yaml")
+    (tmp_path / "d.yaml").write_text("dcr:\n  unknown_flag: 1\n")
+    with pytest.raises(ConfigError, match="dcr.unknown_flag: unknown key"):
+        load_config(tmp_path / "d.yaml")
+
+
+def test_every_field_has_a_docstring():
+    import ast
+    import inspect
+
+    from nemo_dcr.config import schema
+
+    tree = ast.parse(inspect.getsource(schema))
+    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Config")]:
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), \
+                    f"{cls.name}.{node.target.id} has no docstring"
+
+
+def test_defaults_and_yaml_round_trip(tmp_path):
+    cfg = load_config(None)
+    assert cfg == RecipeConfig() and isinstance(cfg.dcr, DcrConfig)
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(load_config(CFG, ["run.steps=2"])))
+    assert load_config(path).run.steps == 2
+
+
+def test_nemo_rl_recipe_snippet_turns_dcr_on():
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(ROOT / "configs" / "nemo_rl" / "grpo_math_1B_megatron_dcr.yaml")
+    gen = node.policy.generation
+    assert gen.refit_transport == "nemo_dcr.adapters.nemo_rl:DcrCheckpointEngine"
+    scoped = gen.refit_cfg[gen.refit_transport]
+    from nemo_dcr.adapters.nemo_rl import DcrCheckpointEngine
+
+    kwargs = {k: v for k, v in scoped.items() if k != "update_weights_bucket_memory_ratio"}
+    kwargs["key_file"] = None  # the shared key does not exist on this machine
+    DcrCheckpointEngine(bucket_size=1 << 20, **kwargs)  # every key is accepted
