@@ -1,0 +1,101 @@
+"""A small trainer for tests, chaos and benchmarks: row shards of canonical tensors with fp32
+master AdamW steps (the same bits contract as Megatron's mixed-precision optimizer).
+
+Trainer rank ``r`` of ``world`` holds rows ``[r*R/world, (r+1)*R/world)`` of every canonical
+tensor (a TP-style row split), so its flat local index ``i`` is canonical index
+``row0 * cols + i``: the remap is pure integer arithmetic, as in :mod:`nemo_dcr.layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from nemo_dcr.capture import BaselineStore, capture
+from nemo_dcr.capture.baseline import int_view
+from nemo_dcr.capture.delta import SparseDelta
+from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.verify.report import ShardChecksums
+
+
+def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows of a tensor held by ``rank``."""
+    return rows * rank // world, rows * (rank + 1) // world
+
+
+@dataclass
+class ShardTrainer:
+    """fp32 masters of this rank's row shards, bf16 live params, a capture baseline."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    rank: int
+    world: int
+    lr: float = 1e-5
+    seed: int = 0
+
+    def __post_init__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        self.masters, self.params, self.offsets = {}, {}, {}
+        for name, shape in self.shapes.items():
+            full = torch.randn(shape, generator=g) * 0.05
+            lo, hi = row_range(shape[0], self.rank, self.world)
+            cols = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+            self.masters[name] = full[lo:hi].clone().requires_grad_(True)
+            self.params[name] = full[lo:hi].to(torch.bfloat16).contiguous()
+            self.offsets[name] = lo * cols
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=self.lr)
+        self.step_no = 0
+        self.reset_baseline()
+
+    def reset_baseline(self) -> None:
+        """Zero baseline (a (re)start): the next capture reports every nonzero element."""
+        self.baseline = BaselineStore("pinned")
+        for n, p in self.params.items():
+            self.baseline.register(n, torch.zeros_like(p))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One AdamW step of the masters with pseudo-random gradients; round into bf16."""
+        self.step_no += 1
+        g = torch.Generator().manual_seed(1000 * self.seed + 17 * self.step_no + self.rank)
+        for m in self.masters.values():
+            m.grad = torch.randn(m.shape, generator=g)
+        self.opt.step()
+        for n, m in self.masters.items():
+            self.params[n].copy_(m.to(torch.bfloat16))
+
+    def pieces(self, version: int) -> list[SparseDelta]:
+        """Canonical changes since the committed baseline (staged as ``version``)."""
+        local = capture(self.params, self.baseline, version=version)
+        return [SparseDelta(d.name, d.dtype, tuple(self.shapes[d.name]), d.positions + self.offsets[d.name],
+                            d.new_bits, d.old_bits) for d in local]
+
+    def commit(self, version: int) -> None:
+        """The engine holds ``version``: move the baseline."""
+        self.baseline.commit(version)
+
+    def checksums(self) -> dict[str, int]:
+        """This rank's partial checksums of its current bf16 shards (full scan)."""
+        sc = ShardChecksums()
+        for n, p in self.params.items():
+            bits = int_view(p).numpy().view(spec_of(p.dtype).uint)
+            sc.add(n, np.arange(self.offsets[n], self.offsets[n] + bits.size, dtype=np.int64), bits)
+        return sc.sums
+
+    def state(self) -> dict:
+        """Everything needed to resume (masters, optimizer, params, step)."""
+        return dict(masters={n: m.detach().clone() for n, m in self.masters.items()},
+                    opt=self.opt.state_dict(), step=self.step_no)
+
+    @torch.no_grad()
+    def load(self, state: dict) -> None:
+        """Resume from :meth:`state` (baseline restarts from zero, as in a new process)."""
+        for n, m in self.masters.items():
+            m.copy_(state["masters"][n])
+            self.params[n].copy_(m.to(torch.bfloat16))
+        self.opt.load_state_dict(state["opt"])
+        self.step_no = state["step"]
+        self.reset_baseline()

@@ -1,0 +1,99 @@
+"""The sender mirror: what the engine holds of the tensors this trainer rank owns.
+
+``dcr`` coding conditions on the receiver's old bits of each element, so the owner of a tensor
+keeps a copy of the engine's bits of it.  Over all trainer ranks the mirror is one model copy,
+never gathered on one rank.  It moves only when the engine acknowledged a version
+(:meth:`SenderMirror.commit`); a refused version is dropped and its changes are re-sent with
+the next one (capture also reports changes against the last acknowledged baseline).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from nemo_dcr.capture.baseline import int_view
+from nemo_dcr.capture.delta import SparseDelta
+from nemo_dcr.codec import Identity, encode_deltas
+from nemo_dcr.codec.dtypes import DTYPES
+from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
+
+from .payloads import buckets
+
+_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32}
+
+
+def _as_tensor(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    spec = DTYPES[dtype]
+    return torch.from_numpy(bits.view(_SIGNED[spec.width])).view(spec.torch_dtype).reshape(shape)
+
+
+class SenderMirror:
+    """Flat bits of owned tensors as the engine holds them, plus one staged version.
+
+    Args:
+        shapes: owned tensor name -> (wire dtype name, shape); bits start at zero.
+        version: version of the engine the mirror describes.
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[str, tuple[int, ...]]], version: int = 0):
+        self.meta = dict(shapes)
+        self.bits = {n: np.zeros(int(np.prod(s)), DTYPES[d].uint) for n, (d, s) in self.meta.items()}
+        self.checksums = {n: tensor_checksum(b) for n, b in self.bits.items()}
+        self.version = version
+        self._staged: tuple[int, list[SparseDelta]] | None = None
+
+    def changes(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
+        """Merged deltas of owned tensors with ``old_bits`` from the mirror; no-ops removed."""
+        out = []
+        for d in pieces:
+            mirror = self.bits[d.name]
+            old = mirror[d.positions]
+            keep = old != d.new_bits
+            out.append(SparseDelta(d.name, d.dtype, d.shape, d.positions[keep], d.new_bits[keep], old[keep]))
+        return out
+
+    def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
+               max_changes: int) -> list[bytes]:
+        """Payload parts (at least one, maybe without records) for ``deltas``; stages them."""
+        self._staged = (identity.target_version, list(deltas))
+        groups = list(buckets(deltas, max_changes)) or [[]]
+        return [encode_deltas(g, self.bits, identity, encoding, key, self.checksums) for g in groups]
+
+    def current(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Trainer-side bits (mirror plus staged changes) of ``names`` as tensors."""
+        staged = {d.name: d for d in (self._staged[1] if self._staged else [])}
+        out = {}
+        for n in names:
+            bits = self.bits[n].copy()
+            if n in staged:
+                bits[staged[n].positions] = staged[n].new_bits
+            out[n] = _as_tensor(bits, *self.meta[n])
+        return out
+
+    def current_checksums(self) -> dict[str, int]:
+        """Checksums of the trainer-side bits (mirror plus staged changes)."""
+        out = dict(self.checksums)
+        for d in (self._staged[1] if self._staged else []):
+            out[d.name] = updated_checksum(out[d.name], d.positions, d.old_bits, d.new_bits)
+        return out
+
+    def commit(self, version: int) -> None:
+        """The engine acknowledged ``version``: write the staged changes."""
+        if self._staged is not None and self._staged[0] == version:
+            for d in self._staged[1]:
+                self.checksums[d.name] = updated_checksum(self.checksums[d.name], d.positions, d.old_bits,
+                                                          d.new_bits)
+                self.bits[d.name][d.positions] = d.new_bits
+        self._staged = None
+        self.version = version
+
+    def reset(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """After a resync: the engine holds ``tensors`` (owned names) at ``version``."""
+        self._staged = None
+        for n, t in tensors.items():
+            self.bits[n] = int_view(t).cpu().numpy().view(self.bits[n].dtype).copy()
+            self.checksums[n] = tensor_checksum(self.bits[n])
+        self.version = version

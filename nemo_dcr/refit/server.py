@@ -1,0 +1,135 @@
+"""Engine side of the refit protocol: collect every sender's parts of a version, apply them as one
+transaction, reply to every sender.
+
+A version is complete when each sender's last part (an empty end-of-version marker) arrived
+and its part indices are contiguous; a missing part is answered with a NACK (nothing applied),
+duplicate parts are ignored, parts may arrive in any order, and parts for versions the engine
+already moved past are dropped (replays).  Every refusal and rollback leaves the engine at its
+old version, bit for bit (:mod:`nemo_dcr.apply.transaction`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from nemo_dcr.apply import ApplyResult
+from nemo_dcr.capture.baseline import int_view
+from nemo_dcr.transport import Envelope, MessageKind, Transport
+
+from .messages import QUERY_DIGESTS, QUERY_FULL, EngineReply
+
+
+class Engine(Protocol):
+    """What the server needs from an engine (``TensorEngine``, ``HFEngine``, vLLM extension)."""
+
+    version: int
+    tensors: dict
+
+    def apply(self, parts: Sequence[bytes]) -> ApplyResult: ...
+    def resync(self, parts: Sequence[bytes]) -> ApplyResult: ...
+    def checksums(self, full: bool = False) -> dict[str, int]: ...
+
+
+@dataclass
+class ServerStats:
+    """What the engine saw: commits, refusals by exception type, replays dropped."""
+
+    committed: int = 0
+    resyncs: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    replays_dropped: int = 0
+    duplicates_dropped: int = 0
+
+
+def digests(tensors: dict) -> dict[str, str]:
+    """sha256 of each tensor's raw bits (an independent equality check for tests and chaos)."""
+    return {n: hashlib.sha256(int_view(t).cpu().numpy().tobytes()).hexdigest() for n, t in tensors.items()}
+
+
+class EngineServer:
+    """Serves one engine over a transport.
+
+    Args:
+        engine: the engine.
+        transport: this engine rank's endpoint.
+        senders: trainer ranks that send parts of every version.
+    """
+
+    def __init__(self, engine: Engine, transport: Transport, senders: Sequence[int]):
+        self.engine = engine
+        self.transport = transport
+        self.senders = list(senders)
+        self.stats = ServerStats()
+        self._parts: dict[tuple[int, int], dict[int, dict[int, Envelope]]] = {}
+
+    def serve(self, timeout: float | None = None) -> None:
+        """Handle messages until a STOP arrives."""
+        while self.handle(self.transport.recv(timeout=timeout)):
+            pass
+
+    def handle(self, env: Envelope) -> bool:
+        """Handle one message; False on STOP."""
+        if env.kind == MessageKind.STOP:
+            return False
+        if env.kind == MessageKind.QUERY:
+            self._reply(MessageKind.STATE, env.version, [env.sender], self._state(env.version))
+        elif env.kind in (MessageKind.DELTA, MessageKind.RESYNC):
+            self._collect(env)
+        return True
+
+    def _state(self, query: int) -> EngineReply:
+        ck = self.engine.checksums(full=query >= QUERY_FULL)
+        dg = digests(self.engine.tensors) if query == QUERY_DIGESTS else {}
+        return EngineReply(True, self.engine.version, checksums=ck, digests=dg)
+
+    def _collect(self, env: Envelope) -> None:
+        if env.version <= self.engine.version:
+            self.stats.replays_dropped += 1
+            return
+        per_sender = self._parts.setdefault((int(env.kind), env.version), {})
+        got = per_sender.setdefault(env.sender, {})
+        if env.part in got:
+            self.stats.duplicates_dropped += 1
+            return
+        got[env.part] = env
+        if all(s in per_sender and _finished(per_sender[s]) for s in self.senders):
+            del self._parts[(int(env.kind), env.version)]
+            self._complete(env.kind, env.version, per_sender)
+
+    def _complete(self, kind: MessageKind, version: int, per_sender) -> None:
+        missing = [s for s in self.senders if len(per_sender[s]) != _last(per_sender[s]) + 1]
+        if missing:
+            self._refuse(version, "MissingPartError", f"parts missing from senders {missing}")
+            return
+        parts = [e.body for s in self.senders for _, e in sorted(per_sender[s].items()) if e.body]
+        try:
+            result = (self.engine.resync if kind == MessageKind.RESYNC else self.engine.apply)(parts)
+        except Exception as exc:  # refused or rolled back: the engine holds its old version
+            self._refuse(version, type(exc).__name__, str(exc)[:500])
+            return
+        self.stats.committed += 1
+        self.stats.resyncs += int(result.resync)
+        reply = EngineReply(True, self.engine.version, checksums=self.engine.checksums(), touched=result.touched)
+        self._reply(MessageKind.ACK, version, self.senders, reply)
+        for key in [k for k in self._parts if k[1] <= self.engine.version]:
+            del self._parts[key]
+
+    def _refuse(self, version: int, kind: str, message: str) -> None:
+        self.stats.refused[kind] = self.stats.refused.get(kind, 0) + 1
+        reply = EngineReply(False, self.engine.version, reason=f"{kind}: {message}")
+        self._reply(MessageKind.NACK, version, self.senders, reply)
+
+    def _reply(self, kind: MessageKind, version: int, dsts, reply: EngineReply) -> None:
+        for d in dsts:
+            self.transport.send(d, Envelope(kind, version, self.transport.rank, body=reply.to_bytes()))
+        self.transport.flush()
+
+
+def _last(parts: dict[int, Envelope]) -> int:
+    return max(i for i, e in parts.items() if e.last)
+
+
+def _finished(parts: dict[int, Envelope]) -> bool:
+    return any(e.last for e in parts.values())
