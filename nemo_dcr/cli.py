@@ -22,6 +22,7 @@ COMMANDS = {
     "check-layout": "check_layout",
     "demo": "demo",
     "report": "report",
+    "chaos": "chaos",
 }
 
 
