@@ -48,9 +48,17 @@ class ChaosConfig:
 
 
 def schedule(cfg: ChaosConfig) -> dict[int, str]:
-    """Refit index (1-based) -> fault kind; identical in every process."""
+    """Refit index (1-based) -> fault kind; identical in every process.
+
+    With ``fault_rate >= 1`` every refit from the second on gets a fault, cycling through all
+    kinds in a seeded order; otherwise each refit draws a fault with that probability.
+    """
     rng = random.Random(cfg.seed)
     plan = {}
+    if cfg.fault_rate >= 1.0 and cfg.faults:  # every refit after the first, each kind in turn
+        order = list(cfg.faults)
+        rng.shuffle(order)
+        return {i: order[(i - 2) % len(order)] for i in range(2, cfg.refits + 1)}
     for i in range(2, cfg.refits + 1):
         if cfg.faults and rng.random() < cfg.fault_rate:
             plan[i] = rng.choice(cfg.faults)

@@ -15,5 +15,6 @@ def test_chaos_all_faults_recovered():
     assert report["refits"] == len(FAULTS) + 1
     assert report["bit_exact_after_every_refit"]
     assert report["mixed_version_served"] == 0 and report["engine"]["reads"] > 0
+    assert all(n == 1 for n in report["faults_injected"].values())
     injected = sum(report["faults_injected"].values())
     assert injected == len(FAULTS) and report["detected"] == injected and report["recovered"] == injected
