@@ -130,7 +130,20 @@ def _encode_group(w: _Writer, ranks: np.ndarray, size: int, d: np.ndarray) -> No
 
 
 def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec) -> bytes:
-    """Body of a ``dcr`` record for a non-empty change set."""
+    """Body of a ``dcr`` record for a non-empty change set.
+
+    Vectorized over groups (``nemo_dcr.kernels``): one blocked pass over the base for the
+    class ranks, then whole-array work proportional to the changes.
+    """
+    from ..kernels.dcr_encode import encode_body
+    from ..kernels.index import encoder_sorted_pos_np
+    from ..kernels.xp import NumpyOps
+
+    return encode_body(NumpyOps(), base_bits, np.asarray(positions, np.int64), new_bits, spec, encoder_sorted_pos_np)
+
+
+def encode_dcr_per_group(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec) -> bytes:
+    """The straightforward group-by-group encoder (reference for tests and benchmarks)."""
     lo, widths = choose_groups(spec.exponent(base_bits[positions]), spec.n_exponents)
     index = GroupIndex.build(base_bits, spec, lo, widths)
     mask = np.zeros(base_bits.size, dtype=bool)

@@ -124,7 +124,21 @@ def _group_steps(lists: list, grp: _Group, spec: DtypeSpec, name: str) -> np.nda
 
 
 def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """Positions (int64, increasing) and new bits of a ``dcr`` record; validates, writes nothing."""
+    """Positions (int64, increasing) and new bits of a ``dcr`` record; validates, writes nothing.
+
+    Vectorized over groups (``nemo_dcr.kernels``): one blocked pass over the base, then
+    whole-array work proportional to the changes.
+    """
+    from ..kernels.dcr_decode import decode_body
+    from ..kernels.index import DecoderIndexNp
+    from ..kernels.xp import NumpyOps
+
+    pos, new = decode_body(NumpyOps(), body, base_bits, spec, name, DecoderIndexNp)
+    return pos, new.astype(spec.uint)
+
+
+def decode_dcr_per_group(body, base_bits: np.ndarray, spec: DtypeSpec, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The straightforward group-by-group decoder (reference for tests and benchmarks)."""
     from .dcr import GroupIndex
 
     reader = bitio.ByteReader(body, name)
