@@ -7,7 +7,7 @@ parameters to a :class:`TensorEngine` and wrap their generate call in :meth:`ser
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -61,6 +61,21 @@ class TensorEngine:
             result = resync_parts(self.tensors, parts, self.version, self.key, self.fault)
             self._commit(result)
         return result
+
+    def dense_refit(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> dict[str, int]:
+        """A conventional dense refit (the baseline benchmarks compare against): ``write`` overwrites
+        the live tensors under the write guard, then a full checksum scan; moves to ``version``.
+
+        No undo log and no payload checks: a failure in ``write`` leaves the tensors mixed.
+
+        Returns:
+            The full checksums after the write.
+        """
+        with self.guard.write():
+            write(self.tensors)
+            self._checksums = full_checksums(self.tensors)
+            self.guard.version = version
+        return dict(self._checksums)
 
     def _commit(self, result: ApplyResult) -> None:
         self._checksums.update(result.checksums)

@@ -12,8 +12,10 @@ only the tensors that differ (trainer resumed from a checkpoint), without any ma
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec import Identity
@@ -65,6 +67,8 @@ class RefitOutcome:
         changed: changed elements this rank encoded.
         bytes_sent: payload bytes this rank sent.
         verify: the last verification.
+        phases: wall seconds of this rank's phases (``route``, ``encode``, ``send``, ``await``,
+            ``verify``) of the sparse refit; empty for attach and recovery.
     """
 
     version: int
@@ -74,6 +78,22 @@ class RefitOutcome:
     changed: int = 0
     bytes_sent: int = 0
     verify: VerifyReport | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class PhaseClock:
+    """Wall seconds per named phase (``perf_counter``); phases may repeat and accumulate."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
 
 @dataclass
@@ -141,27 +161,35 @@ class RefitSender:
         """
         self.refits += 1
         self._detected = []
+        clock = PhaseClock()
         version = self.mirror.version + 1
-        owned = self.mirror.changes(self._owned(pieces))
-        ident = Identity(self.config.model, self.config.run, self.mirror.version + base_skew, version + base_skew)
-        parts = self.mirror.encode(owned, ident, self.config.encoding, self.config.key,
-                                   self.config.max_changes_per_part)
-        sent = self._send(MessageKind.DELTA, version, parts, tamper)
-        replies = self._await(version, (MessageKind.ACK, MessageKind.NACK))
-        ok = self.group.all_true(all(r.ok for r in replies))
+        with clock("route"):
+            routed = self._owned(pieces)
+        with clock("encode"):
+            owned = self.mirror.changes(routed)
+            ident = Identity(self.config.model, self.config.run, self.mirror.version + base_skew,
+                             version + base_skew)
+            parts = self.mirror.encode(owned, ident, self.config.encoding, self.config.key,
+                                       self.config.max_changes_per_part)
+        with clock("send"):
+            sent = self._send(MessageKind.DELTA, version, parts, tamper)
+        with clock("await"):
+            replies = self._await(version, (MessageKind.ACK, MessageKind.NACK))
+            ok = self.group.all_true(all(r.ok for r in replies))
         changed = sum(d.nnz for d in owned)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             return self._recover(trainer_checksums, changed, sent)
-        self.mirror.commit(version)
-        full = self.config.verify.full_due(self.refits)
-        report = None
-        if self.config.verify.every_refit or full:
-            report = self._verify(trainer_checksums, self._query() if full else replies, full)
-            if not report.ok:
-                self._detected.append("checksum mismatch: " + report.describe())
-                return self._recover(trainer_checksums, changed, sent)
-        return RefitOutcome(version, True, False, tuple(self._detected), changed, sent, report)
+        with clock("verify"):
+            self.mirror.commit(version)
+            full = self.config.verify.full_due(self.refits)
+            report = None
+            if self.config.verify.every_refit or full:
+                report = self._verify(trainer_checksums, self._query() if full else replies, full)
+        if report is not None and not report.ok:
+            self._detected.append("checksum mismatch: " + report.describe())
+            return self._recover(trainer_checksums, changed, sent)
+        return RefitOutcome(version, True, False, tuple(self._detected), changed, sent, report, clock.seconds)
 
     def attach(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitOutcome:
         """(Re)start: ``pieces`` are all nonzero elements (captured against a zero baseline).

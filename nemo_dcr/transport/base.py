@@ -33,6 +33,8 @@ class MessageKind(IntEnum):
     """Engine's answer to QUERY; body: JSON with version and checksums."""
     STOP = 8
     """Shut the engine loop down."""
+    DENSE = 9
+    """Whole tensors' raw bytes without the codec: the dense baseline ``benchmarks/refit.py`` measures."""
 
 
 class TransportError(RuntimeError):
