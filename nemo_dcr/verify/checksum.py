@@ -18,6 +18,8 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _K_IDX = np.uint64(0x9E3779B97F4A7C15)
 _K_BITS = np.uint64(0xD6E8FEB86659FD93)
 _CHUNK = 1 << 22
+_TILE = 1 << 15  # tensor_checksum works on cache-sized tiles, in place
+_IDX_MUL = np.arange(_TILE, dtype=np.uint64) * _K_IDX
 MASK64 = (1 << 64) - 1
 
 
@@ -47,10 +49,24 @@ def tensor_checksum(bits: np.ndarray, index_offset: int = 0) -> int:
     """Checksum of a contiguous run of elements whose canonical indices start at ``index_offset``."""
     flat = bits.reshape(-1)
     total = 0
-    for s in range(0, flat.size, _CHUNK):
-        part = flat[s : s + _CHUNK]
-        idx = np.arange(index_offset + s, index_offset + s + part.size, dtype=np.uint64)
-        total += int(element_hash(idx, part).sum(dtype=np.uint64))
+    x = np.empty(_TILE, np.uint64)
+    y = np.empty(_TILE, np.uint64)
+    with np.errstate(over="ignore"):
+        for s in range(0, flat.size, _TILE):
+            part = flat[s : s + _TILE]
+            n = part.size
+            xs, ys = x[:n], y[:n]
+            np.add(_IDX_MUL[:n], np.uint64(((index_offset + s) * int(_K_IDX)) & MASK64), out=xs)  # i * K_IDX
+            np.add(part, np.uint64(1), out=ys, dtype=np.uint64)
+            ys *= _K_BITS
+            xs ^= ys
+            for shift, mul in ((30, _M1), (27, _M2)):
+                np.right_shift(xs, np.uint64(shift), out=ys)
+                xs ^= ys
+                xs *= mul
+            np.right_shift(xs, np.uint64(31), out=ys)
+            xs ^= ys
+            total += int(xs.sum(dtype=np.uint64))
     return total & MASK64
 
 
