@@ -16,13 +16,15 @@ from nemo_dcr.codec.dtypes import spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
 
 from .guard import VersionGuard
+from .shard_view import ShardView
 from .transaction import ApplyResult, FaultHook, apply_parts, resync_parts
 
 
-def full_checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Checksum of every tensor by a full scan (canonical index = flat index)."""
+def full_checksums(tensors: Mapping[str, "torch.Tensor | ShardView"]) -> dict[str, int]:
+    """Checksum of every tensor by a full scan (index = flat index, or view index for a view)."""
     out = {}
     for name, t in tensors.items():
+        t = t.gather() if isinstance(t, ShardView) else t
         out[name] = tensor_checksum(int_view(t).cpu().numpy().view(spec_of(t.dtype).uint))
     return out
 

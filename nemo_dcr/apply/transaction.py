@@ -18,7 +18,7 @@ Phases (docs/refit.md, "Transactions"):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -31,12 +31,41 @@ from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
 from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
 
 from .errors import ApplyVerificationError, IncompletePartsError, VersionMismatchError
+from .shard_view import ShardView
 
 RESYNC_BASE_VERSION = 0
 """Base version of every resync payload: it is encoded against all-zero tensors."""
 
 FaultHook = Callable[[str], None]
 """Called after each tensor is written (chaos and tests raise from it)."""
+
+Live = Union[torch.Tensor, ShardView]
+"""A live tensor, or the view of a canonical tensor inside a fused/sharded engine param."""
+
+
+class _Bases(Mapping):
+    """What ``decode`` checks payloads against: tensors as they are, views gathered on demand."""
+
+    def __init__(self, tensors: Mapping[str, Live]):
+        self._t = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._t[name]
+        return t.gather() if isinstance(t, ShardView) else t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._t)
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+
+def _target(t: Live, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat integer view to write, positions in it) for record positions of ``t``."""
+    if isinstance(t, ShardView):
+        return t.flat(), t.locate(positions)
+    view = int_view(t)
+    return view, torch.from_numpy(np.ascontiguousarray(positions)).to(view.device)
 
 
 @dataclass(frozen=True)
@@ -50,6 +79,8 @@ class ApplyResult:
         checksums: tensor name -> checksum after the apply, for every tensor in the payload.
         resync: the transaction was a full resync.
         undo_bytes: size the undo log reached.
+        deltas: the changes written (record index space; old and new bits), for callers that keep
+            further sums (a routed engine's canonical checksums); empty for a resync.
     """
 
     base_version: int
@@ -58,6 +89,7 @@ class ApplyResult:
     checksums: dict[str, int]
     resync: bool = False
     undo_bytes: int = 0
+    deltas: tuple[SparseDelta, ...] = ()
 
 
 @dataclass
@@ -145,7 +177,7 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
         DeltaFormatError, VersionMismatchError, IncompletePartsError: refused, nothing written.
         ApplyVerificationError, or whatever ``fault`` raises: rolled back exactly.
     """
-    decoded = [decode(p, tensors, key, checksums) for p in parts]
+    decoded = [decode(p, _Bases(tensors), key, checksums) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=False)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]
@@ -156,8 +188,7 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
         for d in deltas:
             if not d.nnz:
                 continue
-            view = int_view(tensors[d.name])
-            pos = torch.from_numpy(np.ascontiguousarray(d.positions)).to(view.device)
+            view, pos = _target(tensors[d.name], d.positions)
             undo.scatter(view, pos, _signed(d.new_bits).to(view.device))
             touched[d.name] = d.nnz
             if fault is not None:
@@ -166,22 +197,22 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
         return touched
 
     touched, nbytes = _transact(writes)
-    return ApplyResult(version, target, touched, new_ck, False, nbytes)
+    return ApplyResult(version, target, touched, new_ck, False, nbytes, tuple(deltas))
 
 
 def _verify_sparse(tensors, deltas: Sequence[SparseDelta], checksums, new_ck) -> None:
     for d in deltas:
         if not d.nnz:
             continue
-        view = int_view(tensors[d.name])
-        got = _readback(view, torch.from_numpy(np.ascontiguousarray(d.positions)).to(view.device), d.dtype)
+        view, pos = _target(tensors[d.name], d.positions)
+        got = _readback(view, pos, d.dtype)
         have = updated_checksum(checksums[d.name], d.positions, d.old_bits, got)
         if have != new_ck[d.name]:
             raise ApplyVerificationError(f"{d.name}: checksum after write {have:016x}, "
                                          f"payload target {new_ck[d.name]:016x}")
 
 
-def _zero_base(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], key) -> dict[str, torch.Tensor]:
+def _zero_base(tensors: Mapping[str, Live], parts: Sequence[bytes], key) -> dict[str, torch.Tensor]:
     base = {}
     for p in parts:
         for r in inspect(p, key).records:
@@ -211,14 +242,15 @@ def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ve
     def writes(undo: UndoLog) -> dict[str, int]:
         touched = {}
         for d in deltas:
-            view = int_view(tensors[d.name])
-            full = torch.zeros_like(view, device="cpu")
+            t = tensors[d.name]
+            full = torch.zeros(d.numel, dtype=int_view(torch.zeros(1, dtype=t.dtype)).dtype)
             full[torch.from_numpy(np.ascontiguousarray(d.positions))] = _signed(d.new_bits)
-            undo.overwrite(view, full.to(view.device))
-            touched[d.name] = int(view.numel())
+            _overwrite(undo, t, full)
+            touched[d.name] = d.numel
             if fault is not None:
                 fault(d.name)
-            got = tensor_checksum(view.cpu().numpy().view(spec_of(tensors[d.name].dtype).uint))
+            now = _Bases(tensors)[d.name]
+            got = tensor_checksum(int_view(now).cpu().numpy().view(spec_of(now.dtype).uint))
             if got != int(records[d.name].target_checksum, 16):
                 raise ApplyVerificationError(f"{d.name}: checksum after resync {got:016x}, "
                                              f"payload target {records[d.name].target_checksum}")
@@ -227,3 +259,12 @@ def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ve
     touched, nbytes = _transact(writes)
     new_ck = {n: int(r.target_checksum, 16) for n, r in records.items()}
     return ApplyResult(version, target, touched, new_ck, True, nbytes)
+
+
+def _overwrite(undo: UndoLog, t: Live, full: torch.Tensor) -> None:
+    """Replace every element of ``t`` by ``full`` (flat bits), saving the old ones."""
+    if isinstance(t, ShardView):
+        undo.scatter(t.flat(), t.locate(np.arange(t.runs.numel)), full.to(t.param.device))
+    else:
+        view = int_view(t)
+        undo.overwrite(view, full.to(view.device))

@@ -17,11 +17,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Sequence
 
+from nemo_dcr.apply.placement import RankPlacement
 from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec import Identity
 from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
+from nemo_dcr.verify.checksum import MASK64
 from nemo_dcr.verify.report import VerifyPolicy, VerifyReport, compare
 
+from .fanout import Fanout
 from .group import TrainerGroup
 from .messages import QUERY_FULL, EngineReply
 from .mirror import SenderMirror
@@ -98,7 +101,12 @@ class PhaseClock:
 
 @dataclass
 class RefitSender:
-    """One trainer rank's side of the pipeline."""
+    """One trainer rank's side of the pipeline.
+
+    With ``routes`` (engine rank -> placement, see docs/engines.md "Routing") each engine rank
+    receives only the records for the elements it holds, in its view index space, and the
+    engines' canonical partial checksums are summed; without, every engine rank gets every part.
+    """
 
     config: RefitConfig
     group: TrainerGroup
@@ -107,21 +115,47 @@ class RefitSender:
     owners: Mapping[str, int]
     mirror: SenderMirror
     refits: int = 0
+    routes: Mapping[int, RankPlacement] | None = None
     _detected: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._fanout = None if self.routes is None else Fanout(self.routes, self.mirror)
+        if self.routes is not None and set(self.routes) != set(self.engine_ranks):
+            raise ValueError(f"routes for ranks {sorted(self.routes)}, engine ranks {list(self.engine_ranks)}")
+
+    def _encode(self, owned: Sequence[SparseDelta], ident: Identity) -> dict[int, list[bytes]]:
+        c = self.config
+        if self._fanout is None:
+            parts = self.mirror.encode(owned, ident, c.encoding, c.key, c.max_changes_per_part)
+            return {e: parts for e in self.engine_ranks}
+        self.mirror.stage(owned, ident.target_version)
+        return self._fanout.encode(owned, ident, c.encoding, c.key, c.max_changes_per_part)
+
+    def _commit(self, version: int) -> None:
+        self.mirror.commit(version)
+        if self._fanout is not None:
+            self._fanout.commit(version)
+
+    def _reset(self, names: Sequence[str], version: int) -> None:
+        self.mirror.reset(self.mirror.current(names), version)
+        if self._fanout is not None:
+            self._fanout.reset()
 
     def _owned(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
         out = [pack(b) for b in by_owner(pieces, self.owners, self.group.size)]
         return merge([d for blob in self.group.exchange(out) if blob for d in unpack(blob)])
 
-    def _send(self, kind: MessageKind, version: int, parts: Sequence[bytes], tamper: Tamper | None) -> int:
-        envs = [Envelope(kind, version, self.transport.rank, i, False, p) for i, p in enumerate(parts)]
-        envs = tamper(envs) if tamper else envs
-        envs.append(Envelope(kind, version, self.transport.rank, len(parts), True))
+    def _send(self, kind: MessageKind, version: int, parts: Mapping[int, Sequence[bytes]],
+              tamper: Tamper | None) -> int:
         for e in self.engine_ranks:
+            envs = [Envelope(kind, version, self.transport.rank, i, False, p) for i, p in enumerate(parts[e])]
+            envs = tamper(envs) if tamper else envs
+            envs.append(Envelope(kind, version, self.transport.rank, len(parts[e]), True))
             for env in envs:
                 self.transport.send(e, env)
         self.transport.flush()
-        return sum(len(p) for p in parts)
+        unique = {id(ps): ps for ps in parts.values()}  # unrouted: one list shared by every rank
+        return sum(len(p) for ps in unique.values() for p in ps)
 
     def _await(self, version: int, kinds: tuple[MessageKind, ...]) -> list[EngineReply]:
         replies = []
@@ -144,7 +178,10 @@ class RefitSender:
         return self._await(QUERY_FULL, (MessageKind.STATE,))
 
     def _verify(self, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool) -> VerifyReport:
-        engine = {n: c for r in replies for n, c in r.checksums.items()}
+        engine: dict[str, int] = {}
+        for r in replies:  # routed: canonical partial sums of each rank; else every rank's full values
+            for n, c in r.checksums.items():
+                engine[n] = (engine.get(n, 0) + c) & MASK64 if self._fanout is not None else c
         names = sorted(set(self.owners))
         totals = self.group.sum_u64(trainer, names)
         return compare(totals, engine, max(r.version for r in replies), full)
@@ -169,8 +206,7 @@ class RefitSender:
             owned = self.mirror.changes(routed)
             ident = Identity(self.config.model, self.config.run, self.mirror.version + base_skew,
                              version + base_skew)
-            parts = self.mirror.encode(owned, ident, self.config.encoding, self.config.key,
-                                       self.config.max_changes_per_part)
+            parts = self._encode(owned, ident)
         with clock("send"):
             sent = self._send(MessageKind.DELTA, version, parts, tamper)
         with clock("await"):
@@ -181,7 +217,7 @@ class RefitSender:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             return self._recover(trainer_checksums, changed, sent)
         with clock("verify"):
-            self.mirror.commit(version)
+            self._commit(version)
             full = self.config.verify.full_due(self.refits)
             report = None
             if self.config.verify.every_refit or full:
@@ -202,27 +238,33 @@ class RefitSender:
         self.mirror.encode(owned, Identity(base_version=0, target_version=1), "raw", None, 1 << 62)
         return self._recover(trainer_checksums, sum(d.nnz for d in owned), 0, attach=True)
 
+    def _resync_parts(self, names: Sequence[str], target: int) -> dict[int, list[bytes]]:
+        c = self.config
+        if self._fanout is not None:
+            return self._fanout.resync_payloads(names, target, c.key, c.model, c.run)
+        payload = resync_payload(self.mirror.current(names), target, c.key, model=c.model, run=c.run)
+        return {e: [payload] for e in self.engine_ranks}
+
     def _recover(self, trainer_checksums, changed: int, sent: int, attach: bool = False) -> RefitOutcome:
         state = self._query()
         before = self._verify(trainer_checksums, state, full=True)
         engine_version = max(r.version for r in state)
         owned = [n for n in sorted(self.owners) if self.owners[n] == self.group.rank]
         if before.ok and engine_version >= 0:
-            self.mirror.reset(self.mirror.current(owned), engine_version)
+            self._reset(owned, engine_version)
             if attach:
                 return RefitOutcome(engine_version, True, False, (), changed, sent, before)
         elif attach:
             self._detected.append("trainer and engine differ at (re)start: " + before.describe())
         bad = {m.name for m in before.mismatches}
         target = max(engine_version, self.mirror.version) + 1
-        mine = self.mirror.current([n for n in owned if n in bad])
-        payload = resync_payload(mine, target, self.config.key, model=self.config.model, run=self.config.run)
-        sent += self._send(MessageKind.RESYNC, target, [payload], None)
+        parts = self._resync_parts([n for n in owned if n in bad], target)
+        sent += self._send(MessageKind.RESYNC, target, parts, None)
         replies = self._await(target, (MessageKind.ACK, MessageKind.NACK))
         ok = self.group.all_true(all(r.ok for r in replies))
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok]
             return RefitOutcome(engine_version, False, True, tuple(self._detected), changed, sent, before)
-        self.mirror.reset(self.mirror.current(owned), target)
+        self._reset(owned, target)
         after = self._verify(trainer_checksums, replies, full=False)
         return RefitOutcome(target, after.ok, True, tuple(self._detected), changed, sent, after)

@@ -58,9 +58,13 @@ class SenderMirror:
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
                max_changes: int) -> list[bytes]:
         """Payload parts (at least one, maybe without records) for ``deltas``; stages them."""
-        self._staged = (identity.target_version, list(deltas))
+        self.stage(deltas, identity.target_version)
         groups = list(buckets(deltas, max_changes)) or [[]]
         return [encode_deltas(g, self.bits, identity, encoding, key, self.checksums) for g in groups]
+
+    def stage(self, deltas: Sequence[SparseDelta], version: int) -> None:
+        """Hold ``deltas`` (canonical, with mirror old bits) until :meth:`commit` of ``version``."""
+        self._staged = (version, list(deltas))
 
     def current(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Trainer-side bits (mirror plus staged changes) of ``names`` as tensors."""

@@ -1,0 +1,108 @@
+"""An engine rank that holds only some canonical elements (TP shards, fused params, EP experts).
+
+Payload records it receives are in the view index space of each canonical tensor
+(:class:`nemo_dcr.apply.shard_view.ShardView`), so the transaction, its undo log and its
+codec checksums work unchanged.  For the trainer/engine comparison it reports the
+*layout-independent* checksum ``sum h(canonical index, bits)`` over the elements it is the
+primary holder of (:func:`nemo_dcr.apply.placement.assign_primary`), so summing the replies of
+all engine ranks gives each canonical tensor's total, replicated elements counted once.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from nemo_dcr.capture.baseline import int_view
+from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.verify.checksum import MASK64, hash_sum
+
+from .engine import TensorEngine
+from .placement import RankPlacement, TensorPlacement
+from .shard_view import ShardView
+from .transaction import ApplyResult
+
+
+def _primary_view(tp: TensorPlacement) -> np.ndarray:
+    if not tp.primary:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in tp.primary])
+
+
+def _in_primary(tp: TensorPlacement, view: np.ndarray) -> np.ndarray:
+    starts = np.array([s for s, _ in tp.primary], np.int64)
+    ends = np.array([s + n for s, n in tp.primary], np.int64)
+    r = np.searchsorted(starts, view, side="right") - 1
+    return (r >= 0) & (view < ends[np.maximum(r, 0)]) if starts.size else np.zeros(view.size, bool)
+
+
+class RoutedEngine:
+    """Engine over the views this rank holds.
+
+    Args:
+        params: engine param name -> live param (contiguous).
+        placement: canonical name -> placement on this rank (with primary holders assigned).
+        version: the version the params hold.
+        key: HMAC key every payload must carry.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], placement: RankPlacement, version: int = 0,
+                 key: bytes | None = None):
+        self.params = dict(params)
+        self.placement = dict(placement)
+        views = {n: ShardView(self.params[tp.param], tp.runs) for n, tp in self.placement.items()}
+        self.inner = TensorEngine(views, version, key)
+        self._canonical = {n: self._scan(n) for n in self.placement}
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The live engine params (what digests and generation read)."""
+        return self.params
+
+    @property
+    def guard(self):
+        return self.inner.guard
+
+    def _scan(self, name: str) -> int:
+        tp = self.placement[name]
+        view = _primary_view(tp)
+        g = self.inner.tensors[name].gather()
+        bits = int_view(g).cpu().numpy().view(spec_of(g.dtype).uint)[view]
+        return hash_sum(tp.runs.view_to_canon(view), bits)
+
+    def apply(self, parts: Sequence[bytes]) -> ApplyResult:
+        """One version, transactional; canonical checksums move by the changes written."""
+        result = self.inner.apply(parts)
+        for d in result.deltas:
+            tp = self.placement[d.name]
+            keep = _in_primary(tp, d.positions)
+            canon = tp.runs.view_to_canon(d.positions[keep])
+            s = self._canonical[d.name] - hash_sum(canon, d.old_bits[keep]) + hash_sum(canon, d.new_bits[keep])
+            self._canonical[d.name] = s & MASK64
+        return result
+
+    def resync(self, parts: Sequence[bytes]) -> ApplyResult:
+        """Full resync of the named views (transactional); their canonical sums are rescanned."""
+        result = self.inner.resync(parts)
+        for n in result.touched:
+            self._canonical[n] = self._scan(n)
+        return result
+
+    def checksums(self, full: bool = False) -> dict[str, int]:
+        """Canonical partial checksums over this rank's primary elements."""
+        if full:
+            with self.inner.guard.read():
+                self._canonical = {n: self._scan(n) for n in self.placement}
+            self.inner.checksums(full=True)
+        return dict(self._canonical)
+
+    def serving(self):
+        """Hold the current version for one generation."""
+        return self.inner.serving()
+

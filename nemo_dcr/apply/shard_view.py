@@ -1,0 +1,60 @@
+"""A canonical tensor's elements held by one engine rank, as a 1-D index space inside a live param.
+
+Payload records routed to an engine rank (docs/engines.md, "Routing") index the *view* of each
+canonical tensor: ``j = 0 .. n-1`` runs over the held elements in canonical order
+(:class:`nemo_dcr.apply.placement.Runs`), so a record never names an element the rank lacks.
+The transaction (:mod:`nemo_dcr.apply.transaction`) decodes against :meth:`ShardView.gather`
+and scatters through :meth:`ShardView.locate` into the live param's integer view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nemo_dcr.capture.baseline import int_view
+
+from .placement import Runs
+
+_GATHER_RUNS = 64
+"""Up to this many runs a gather copies slices; beyond it, one indexed gather."""
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """View ``j`` of a canonical tensor inside ``param`` (contiguous, any device).
+
+    Attributes:
+        param: the live engine param.
+        runs: canonical -> param-local flat index of the held elements.
+    """
+
+    param: torch.Tensor
+    runs: Runs
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param.dtype
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.runs.numel,)
+
+    def flat(self) -> torch.Tensor:
+        """The param's flat integer view (writes go here)."""
+        return int_view(self.param)
+
+    def locate(self, view_positions: np.ndarray) -> torch.Tensor:
+        """Param-local flat indices of view positions, on the param's device."""
+        return torch.from_numpy(self.runs.view_to_local(view_positions)).to(self.param.device)
+
+    def gather(self) -> torch.Tensor:
+        """A contiguous copy of the held elements in view order (shape ``(n,)``, param dtype)."""
+        flat = self.param.detach().reshape(-1)
+        r = self.runs
+        if r.length.size <= _GATHER_RUNS:
+            parts = [flat[int(s):int(s) + int(n)] for s, n in zip(r.local, r.length)]
+            return torch.cat(parts) if parts else flat[:0].clone()
+        return flat[torch.from_numpy(r.expand()[1]).to(flat.device)]

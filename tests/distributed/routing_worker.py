@@ -1,0 +1,125 @@
+"""Processes of the routing test: one trainer rank and two engine ranks (TP=2 stand-in engine).
+
+The engine ranks hold the vLLM-style fused, TP-sharded params of
+``nemo_dcr.adapters.vllm_standin`` (a CPU stand-in, not vLLM); both sides derive the same
+placement by probing the stand-in's loaders.  Each engine rank records the records it received.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_dcr.adapters.vllm_standin import StandinDims, StandinModel, canonical_shapes
+from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
+
+KEY = b"routing-test-key-0123456789abcdef"
+TP = 2
+D = StandinDims()
+SHAPES = canonical_shapes(D)
+
+
+def _set_loader(param, fn):
+    old = param.weight_loader
+    param.weight_loader = fn
+    return old
+
+
+def placements() -> list[dict]:
+    """Every engine rank's placement (probed on stand-in models), primary holders assigned."""
+    out = []
+    for r in range(TP):
+        model = StandinModel(D, TP, r)
+        calls = record_loader_calls(model, SHAPES.items(), _set_loader)
+        out.append(probe_model(model, SHAPES, calls, lambda p: p.weight_loader))
+    return assign_primary(out)
+
+
+def _transport(workdir: str, rank: int):
+    from nemo_dcr.transport import DistTransport
+
+    store = dist.FileStore(os.path.join(workdir, "store"), 1 + TP)
+    return DistTransport(dist.ProcessGroupGloo(store, rank, 1 + TP), rank, chunk_bytes=1 << 12)
+
+
+class RecordingEngine:
+    """Forwards to a RoutedEngine and notes (name, shape, nnz) of every record it is sent."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    version = property(lambda self: self.inner.version)
+    tensors = property(lambda self: self.inner.tensors)
+
+    def _note(self, parts):
+        from nemo_dcr.codec import inspect
+
+        for p in parts:
+            self.seen += [(r.name, list(r.shape), r.changed) for r in inspect(p, KEY).records]
+
+    def apply(self, parts):
+        self._note(parts)
+        return self.inner.apply(parts)
+
+    def resync(self, parts):
+        self._note(parts)
+        return self.inner.resync(parts)
+
+    def checksums(self, full=False):
+        return self.inner.checksums(full)
+
+
+def engine_main(workdir: str, rank: int) -> None:
+    """Engine rank ``rank`` (1..TP): serve until STOP; dump received records and param bits."""
+    from nemo_dcr.apply.routed import RoutedEngine
+    from nemo_dcr.refit.server import EngineServer
+
+    torch.set_num_threads(1)
+    tp_rank = rank - 1
+    model = StandinModel(D, TP, tp_rank)
+    params = {n: p.data for n, p in model.named_parameters()}
+    engine = RecordingEngine(RoutedEngine(params, placements()[tp_rank], key=KEY))
+    server = EngineServer(engine, _transport(workdir, rank), [0])
+    server.serve(timeout=120)
+    np.savez(Path(workdir, f"engine{tp_rank}.npz"), **{n: p.view(torch.int16).numpy() for n, p in params.items()})
+    Path(workdir, f"engine{tp_rank}.json").write_text(json.dumps(dict(seen=engine.seen, refused=server.stats.refused)))
+
+
+def _drop_first(envs):
+    return envs[1:]
+
+
+def trainer_main(workdir: str, refits: int) -> None:
+    """Attach (full resync through the routes), ``refits`` delta refits, one with a lost part."""
+    from nemo_dcr.refit.coordinator import RefitConfig, RefitSender
+    from nemo_dcr.refit.group import LocalGroup
+    from nemo_dcr.refit.harness import ShardTrainer
+    from nemo_dcr.refit.mirror import SenderMirror
+    from nemo_dcr.transport import Envelope, MessageKind
+
+    torch.set_num_threads(1)
+    transport = _transport(workdir, 0)
+    trainer = ShardTrainer(SHAPES, 0, 1, lr=1e-3, seed=1)
+    routes = dict(zip(range(1, TP + 1), placements()))
+    sender = RefitSender(RefitConfig(key=KEY, max_changes_per_part=64, reply_timeout=60), LocalGroup(), transport,
+                         list(routes), {n: 0 for n in SHAPES}, SenderMirror({n: ("bf16", s) for n, s in SHAPES.items()}),
+                         routes=routes)
+    rows = [sender.attach(trainer.pieces(0), trainer.checksums())]
+    trainer.commit(0)
+    for i in range(1, refits + 1):
+        trainer.step()
+        out = sender.refit(trainer.pieces(i), trainer.checksums(), tamper=_drop_first if i == 2 else None)
+        trainer.commit(i)
+        rows.append(out)
+    for e in routes:
+        transport.send(e, Envelope(MessageKind.STOP, 0, 0))
+    transport.flush()
+    np.savez(Path(workdir, "trainer.npz"), **{n: p.view(torch.int16).numpy() for n, p in trainer.params.items()})
+    Path(workdir, "trainer.json").write_text(json.dumps(
+        [dict(committed=o.committed, resynced=o.resynced, ok=o.verify is not None and o.verify.ok,
+              detected=list(o.detected), version=o.version) for o in rows]))
