@@ -6,8 +6,10 @@ directories differ exactly as a BF16 trainer's weights differ between refits, so
 apply tests run on real update statistics instead of synthetic noise.
 
 Objective ``pg`` (default): per arithmetic prompt ("What is 7+5? Answer with just the
-number.") sample ``group_size`` answers with the chat template; reward is 1 if the first
-integer of the answer is the exact result else 0; advantage = reward - group mean;
+number.", operands 1..9 so the 135M model solves some) sample ``group_size`` answers with the
+chat template; reward is 1 if the last integer of the answer is the exact result else 0 (the
+model tends to restate the question, "7 + 5 = 12", so the first integer is the operand);
+advantage = reward - group mean;
 loss = -mean(advantage * sum log-prob of the sampled answer tokens).
 
 Zero-gradient guard. If every answer in a group gets the same reward, that group contributes
@@ -96,27 +98,28 @@ class StepStats:
 
 
 def make_problems(rng: random.Random, n: int) -> list[Problem]:
-    """``n`` small addition/subtraction/multiplication questions."""
+    """``n`` small addition/subtraction questions on single digits (measured exact-answer rate
+    of the embedded model, last-integer rule, temperature 1: about 19%)."""
     out = []
     for _ in range(n):
-        a, b, op = rng.randint(1, 20), rng.randint(1, 20), rng.choice("+-*")
+        a, b, op = rng.randint(1, 9), rng.randint(1, 9), rng.choice("++-")
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         out.append(Problem(f"What is {a}{op}{b}? Answer with just the number.", value))
     return out
 
 
 def exact_reward(text: str, answer: int) -> float:
-    """1.0 if the first integer in ``text`` equals ``answer``, else 0.0."""
-    m = ANSWER_RE.search(text)
-    return float(m is not None and int(m.group()) == answer)
+    """1.0 if the last integer in ``text`` equals ``answer``, else 0.0."""
+    found = ANSWER_RE.findall(text)
+    return float(bool(found) and int(found[-1]) == answer)
 
 
 def shaped_reward(text: str, answer: int, partial_credit: float) -> float:
     """Exact reward, plus ``partial_credit / (1 + |guess - answer|)`` for wrong integers."""
-    m = ANSWER_RE.search(text)
-    if m is None:
+    found = ANSWER_RE.findall(text)
+    if not found:
         return 0.0
-    guess = int(m.group())
+    guess = int(found[-1])
     return 1.0 if guess == answer else partial_credit / (1.0 + abs(guess - answer))
 
 

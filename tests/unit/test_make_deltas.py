@@ -108,7 +108,8 @@ def test_changes_are_adamw_sized(real_checkpoints, k):
 
 def test_rewards_and_advantages():
     assert rl_deltas.exact_reward(" 12", 12) == 1.0
-    assert rl_deltas.exact_reward("7+5 = 12", 12) == 0.0  # first integer counts
+    assert rl_deltas.exact_reward("7+5 = 12", 12) == 1.0  # the last integer counts
+    assert rl_deltas.exact_reward("12, not 13", 12) == 0.0
     assert rl_deltas.exact_reward("-3.", -3) == 1.0
     assert rl_deltas.shaped_reward("no number", 4, 0.1) == 0.0
     assert rl_deltas.shaped_reward("5", 4, 0.1) == pytest.approx(0.05)
