@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: real RL steps on SmolLM2-135M-Instruct (fp32 master
-# AdamW, bf16 checkpoints), then every step's delta encoded with `reference` and `dcr`, applied
-# to a copy of the base and checked bit-exact against the target, with a summary.
+# The main job on the embedded default: GRPO on SmolLM2-135M-Instruct with megatron-core at
+# TP=3, PP=2 on gloo (6 CPU ranks, fp32-master AdamW) as the trainer, a transformers engine
+# generating the rollouts, and a bit-exact delta refit after every step (checked against an
+# independent dense export), with a dense refit timed in the same run.  Extra args go to
+# `nemo-dcr demo` (e.g. --steps 5, or dotted.key=value config overrides).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
-run="${RUN_DIR:-runs/main}"
-steps="${STEPS:-3}"
-if [ ! -d "$run/step_$steps" ]; then
-  .venv/bin/nemo-dcr make-deltas --steps "$steps" --lr "${LR:-1e-6}" --out "$run"
-fi
-exec .venv/bin/python benchmarks/codec.py "$run" --json "$run/codec_summary.json"
+run="${RUN_DIR:-runs/demo}"
+exec .venv/bin/nemo-dcr demo --steps "${STEPS:-3}" --run-dir "$run" --summary-json "$run/summary.json" "$@"

