@@ -294,3 +294,20 @@ def _swapped(param: torch.nn.Parameter, loader: Callable, call: LoaderCall) -> L
         finally:
             param.data = saved
     return load
+
+
+def placement_to_json(placement: RankPlacement) -> dict:
+    """A JSON-able form of one rank's placement (lists of ints; sent between driver and workers)."""
+    return {n: dict(shape=list(tp.shape), param=tp.param, param_shape=list(tp.param_shape),
+                    canon=tp.runs.canon.tolist(), local=tp.runs.local.tolist(), length=tp.runs.length.tolist(),
+                    primary=[list(p) for p in tp.primary]) for n, tp in placement.items()}
+
+
+def placement_from_json(obj: Mapping) -> dict[str, TensorPlacement]:
+    """Inverse of :func:`placement_to_json`."""
+    out = {}
+    for n, o in obj.items():
+        runs = Runs(np.array(o["canon"], np.int64), np.array(o["local"], np.int64), np.array(o["length"], np.int64))
+        out[n] = TensorPlacement(n, tuple(o["shape"]), o["param"], tuple(o["param_shape"]), runs,
+                                 tuple(tuple(p) for p in o["primary"]))
+    return out
