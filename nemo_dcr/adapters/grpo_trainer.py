@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from nemo_dcr.adapters import megatron as am
 from nemo_dcr.adapters.megatron_params import capture_ranges, dense_export, local_params, load_hf
-from nemo_dcr.adapters.megatron_train import MasterAdamW, _run_stage, _stage_io
+from nemo_dcr.adapters.megatron_train import MasterAdamW, pipeline_forward_backward
 from nemo_dcr.capture import SparseDelta
 
 
@@ -107,18 +107,6 @@ def policy_gradient_backward(model, tokens: torch.Tensor, weights: torch.Tensor,
     Returns:
         The loss on the last pipeline stage, None elsewhere.
     """
-    first, last, prev, nxt = _stage_io()
-    inp, out = _run_stage(model, tokens[:, :-1], tokens[:, 1:], hidden, dtype)
-    loss = None
-    if last:
-        loss_t = (out.float() * weights).sum() / tokens.shape[0]
-        loss_t.backward()
-        loss = float(loss_t)
-    else:
-        dist.send(out.detach().contiguous(), dst=nxt)
-        grad = torch.empty_like(out)
-        dist.recv(grad, src=nxt)
-        out.backward(grad)
-    if not first:
-        dist.send(inp.grad.contiguous(), dst=prev)
-    return loss
+    batch = tokens.shape[0]
+    return pipeline_forward_backward(model, tokens[:, :-1], tokens[:, 1:], hidden, dtype,
+                                     reduce=lambda out: (out.float() * weights).sum() / batch)

@@ -68,8 +68,16 @@ def pipeline_logits(model, tokens: torch.Tensor, hidden: int, dtype: torch.dtype
 
 
 def pipeline_forward_backward(model, tokens: torch.Tensor, labels: torch.Tensor, hidden: int,
-                              dtype: torch.dtype) -> float | None:
-    """One forward and backward of the mean token loss; gradients land in ``param.grad``.
+                              dtype: torch.dtype, reduce=lambda out: out.float().mean()) -> float | None:
+    """One forward and backward through the pipeline; gradients land in ``param.grad``.
+
+    Args:
+        model: this rank's single model chunk.
+        tokens: ``[B, L]`` input ids (identical on every rank).
+        labels: ``[B, L]`` labels; the last stage's output is their per-token loss.
+        hidden: hidden size.
+        dtype: activation dtype.
+        reduce: per-token loss ``[B, L]`` -> scalar loss, on the last stage (default: mean).
 
     Returns:
         The loss on the last stage, None elsewhere.
@@ -78,7 +86,7 @@ def pipeline_forward_backward(model, tokens: torch.Tensor, labels: torch.Tensor,
     inp, out = _run_stage(model, tokens, labels, hidden, dtype)
     loss = None
     if last:
-        loss_t = out.float().mean()
+        loss_t = reduce(out)
         loss_t.backward()
         loss = float(loss_t)
     else:

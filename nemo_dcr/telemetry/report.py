@@ -86,11 +86,7 @@ def _plot_density(plt, steps: list[dict], path: Path) -> None:
     ax.set(xlabel="step", ylabel="changed fraction of elements", yscale="log",
            title="Delta density per step and layer type")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path)
 
 
 def _plot_bytes(plt, steps: list[dict], path: Path) -> None:
@@ -104,11 +100,7 @@ def _plot_bytes(plt, steps: list[dict], path: Path) -> None:
     ax.set(xlabel="step", ylabel="bytes per refit", yscale="log",
            title="Refit payload bytes per encoding vs dense")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path)
 
 
 def _plot_times(plt, steps: list[dict], path: Path) -> None:
@@ -123,7 +115,12 @@ def _plot_times(plt, steps: list[dict], path: Path) -> None:
     if any(d is not None for d in dense):
         ax.plot(x, dense, "k--o", label="dense refit")
     ax.set(xlabel="step", ylabel="seconds", title="Delta refit phases vs dense refit")
-    ax.legend(fontsize=8, ncol=2)
+    _finish(plt, fig, ax, path, ncol=2)
+
+
+def _finish(plt, fig, ax, path: Path, ncol: int = 1) -> None:
+    """Legend, integer step ticks, save as PNG, close."""
+    ax.legend(fontsize=8, ncol=ncol)
     ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
