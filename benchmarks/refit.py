@@ -1,7 +1,7 @@
 """Refit benchmark: delta refit vs dense refit of SmolLM2-135M through one gloo transport, one run.
 
 Usage:
-    python benchmarks/refit.py [RUN_DIR] [--pair A B] [--repeats N] [--encoding dcr] [--json OUT]
+    python benchmarks/refit.py [RUN_DIR] [--pair A B] [--repeats N] [--encoding reference|dcr] [--json OUT]
 
 RUN_DIR holds real RL step checkpoints ``step_0 .. step_K`` (``nemo-dcr make-deltas --steps 2
 --out RUN_DIR`` writes them; generated here when missing).  Two processes on this machine: a
@@ -23,7 +23,8 @@ Phases (seconds, wall): capture, remap, encode (delta: owner routing + coding; d
 serialization), transfer (sender's send + wait for the ACK, minus the engine's apply), apply
 (engine: decode, validate, write, read-back check; dense: copy), verify.  The table reports
 the best of N refits of each kind and the median of the per-pair ratios delta/dense; the
-machine is shared, so only ratios from the same run are meaningful.  After the last refit the
+machine is shared, so only ratios from the same run are meaningful.  The default pair (1, 2) is a
+typical RL step (the first AdamW step, 0 -> 1, changes ~10x more elements).  After the last refit the
 engine's sha256 digests must equal the trainer's (``bit_exact``).
 """
 
@@ -341,7 +342,8 @@ def main(argv=None) -> None:
     ap.add_argument("run_dir", nargs="?", default="runs/refit_bench", type=Path)
     ap.add_argument("--pair", nargs=2, type=int, default=(1, 2), help="step indices A B to alternate")
     ap.add_argument("--repeats", type=int, default=3, help="A->B->A cycles (2 delta + 2 dense refits each)")
-    ap.add_argument("--encoding", default="dcr", choices=("dcr", "reference", "raw"))
+    ap.add_argument("--encoding", default="reference", choices=("dcr", "reference"),
+                    help="payload coding of the delta refit (dcr: smaller, slower on one CPU thread)")
     ap.add_argument("--steps", type=int, default=2, help="steps to generate when RUN_DIR is empty")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
