@@ -137,6 +137,7 @@ def init_distributed(tp: int, pp: int, ep: int = 1, etp: int | None = None,
     from megatron.core import parallel_state as ps
 
     install_cpu_shim()
+    vpp = vpp if vpp and vpp > 1 else None  # megatron: None means not interleaved
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend)
@@ -149,8 +150,14 @@ def init_distributed(tp: int, pp: int, ep: int = 1, etp: int | None = None,
     torch.manual_seed(seed)
 
 
-def transformer_config(preset: ModelPreset, dtype: torch.dtype, pp: int, vpp: int | None = None):
-    """The megatron ``TransformerConfig`` (or ``MLATransformerConfig``) of a preset."""
+def transformer_config(preset: ModelPreset, dtype: torch.dtype, pp: int, vpp: int | None = None,
+                       first_stage_layers: int | None = None,
+                       last_stage_layers: int | None = None):
+    """The megatron ``TransformerConfig`` (or ``MLATransformerConfig``) of a preset.
+
+    ``first_stage_layers`` / ``last_stage_layers`` are megatron's uneven-pipeline knobs
+    (``num_layers_in_{first,last}_pipeline_stage``; None: even split).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
@@ -161,7 +168,10 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype, pp: int, vpp: in
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=preset.qk_layernorm,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
@@ -190,17 +200,45 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype, pp: int, vpp: in
 
 
 def build_gpt_model(preset: ModelPreset, dtype: torch.dtype = torch.bfloat16,
-                    vpp: int | None = None) -> list[torch.nn.Module]:
+                    vpp: int | None = None, first_stage_layers: int | None = None,
+                    last_stage_layers: int | None = None) -> list[torch.nn.Module]:
     """Build this rank's GPTModel chunk(s) (one per virtual pipeline stage).
 
-    Call :func:`init_distributed` first.  Returns a list of length ``vpp or 1``.
+    Call :func:`init_distributed` first.  Returns a list of length ``vpp`` (1 without
+    interleaving), in megatron's model-list order.
+
+    With virtual pipeline, megatron-core 0.16.1 picks each chunk's layers from the
+    ``vp_stage`` argument (``TransformerBlock`` -> ``get_num_layers_to_build(config,
+    vp_stage)`` and ``get_transformer_layer_offset(config, vp_stage)``; ``layer_number`` is
+    then global); only chunk 0 of the first stage has the embedding and only the last chunk of
+    the last stage the output layer.  The global ``set_virtual_pipeline_model_parallel_rank``
+    is deprecated there (nothing reads it while building) and is not used.
+
+    Args:
+        preset: the model.
+        dtype: parameter dtype.
+        vpp: model chunks per pipeline stage (None: ``parallel_state``'s virtual size).
+        first_stage_layers: layers on the first pipeline stage (uneven pipeline).
+        last_stage_layers: layers on the last pipeline stage (uneven pipeline).
+
+    Raises:
+        ValueError: uneven first *and* last stage with ``pp == 2`` and ``vpp > 1``:
+            megatron-core 0.16.1's ``get_transformer_layer_offset`` divides by the number of
+            middle stages (0) on the last stage.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     pp = ps.get_pipeline_model_parallel_world_size()
-    config = transformer_config(preset, dtype, pp, vpp)
+    if vpp is None:
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    vpp = vpp if vpp and vpp > 1 else None
+    if vpp and pp == 2 and first_stage_layers is not None and last_stage_layers is not None:
+        raise ValueError(
+            "uneven first and last stage with pp=2 and vpp>1: megatron-core 0.16.1's "
+            "get_transformer_layer_offset divides by zero middle stages; set only one of them")
+    config = transformer_config(preset, dtype, pp, vpp, first_stage_layers, last_stage_layers)
     spec = get_gpt_layer_local_spec(
         num_experts=preset.num_experts or None, moe_grouped_gemm=False,
         qk_layernorm=preset.qk_layernorm, multi_latent_attention=preset.mla,
@@ -293,11 +331,13 @@ def model_dims(preset: ModelPreset):
     )
 
 
-def parallel_layout_from_state():
+def parallel_layout_from_state(first_stage_layers: int | None = None,
+                               last_stage_layers: int | None = None):
     """This rank's :class:`~nemo_dcr.layout.ParallelLayout` from ``parallel_state``.
 
     Reads the initialized megatron groups (call after ``initialize_model_parallel``); the
-    uneven-pipeline knobs are not part of ``parallel_state`` and stay at their defaults.
+    uneven-pipeline knobs are not part of ``parallel_state``: pass the values the model was
+    built with (None: even split).
     """
     from nemo_dcr.layout import ParallelLayout
 
@@ -306,4 +346,6 @@ def parallel_layout_from_state():
         tp=c["tp"], pp=c["pp"], vpp=c["vpp"], ep=c["ep"], etp=c["etp"], dp=c["dp"],
         tp_rank=c["tp_rank"], pp_rank=c["pp_rank"], ep_rank=c["ep_rank"],
         etp_rank=c["etp_rank"], dp_rank=c["dp_rank"],
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
     )

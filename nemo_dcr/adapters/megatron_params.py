@@ -42,6 +42,15 @@ class LocalParam:
     param: torch.Tensor
     expert: bool
 
+    @property
+    def key(self) -> str:
+        """Name unique over this rank's chunks (capture, baseline and range key).
+
+        ``name`` on chunk 0 (so single-chunk callers see plain names), ``model{c}.name`` on
+        virtual-pipeline chunk ``c > 0`` (local names repeat across chunks).
+        """
+        return self.name if self.chunk == 0 else f"model{self.chunk}.{self.name}"
+
 
 def local_params(chunks: list[torch.nn.Module], preset: ModelPreset) -> list[LocalParam]:
     """Every parameter of this rank with its global megatron name."""
@@ -104,16 +113,20 @@ def capture_ranges(params: list[LocalParam], skip: set[str] = frozenset()
 
     Args:
         params: from :func:`local_params`.
-        skip: local names captured by nobody (e.g. the tied output-layer copy).
+        skip: keys (:attr:`LocalParam.key`) captured by nobody (e.g. the tied output-layer
+            copy).
+
+    Returns:
+        ``{LocalParam.key: (start, stop)}``.
     """
     coords = rank_coords()
     out = {}
     for lp in params:
-        if lp.name in skip:
-            out[lp.name] = (0, 0)
+        if lp.key in skip:
+            out[lp.key] = (0, 0)
             continue
         idx, count = replica_group(lp, coords)
-        out[lp.name] = split_range(lp.param.numel(), idx, count)
+        out[lp.key] = split_range(lp.param.numel(), idx, count)
     return out
 
 

@@ -3,7 +3,8 @@
 Launches its own gloo processes on CPU (``torchrun`` running
 :mod:`nemo_dcr.adapters.megatron_check`), builds the megatron-core model at the requested
 layout, runs a few optimizer steps (real AdamW where megatron-core can train on CPU, Adam-like
-updates of the fp32 masters for MoE/MLA), and reports whether the sparse remap of every
+updates of the fp32 masters for MoE/MLA and for virtual pipeline, whose check needs no
+pipeline forward), and reports whether the sparse remap of every
 captured change is bit-exact against a dense export, tensor by tensor.
 
 Impossible layouts are rejected before anything is launched.
@@ -33,6 +34,10 @@ def register(subparsers) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
     p.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
     p.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage")
+    p.add_argument("--first-stage-layers", type=int, default=None,
+                   help="uneven pipeline: layers on the first stage")
+    p.add_argument("--last-stage-layers", type=int, default=None,
+                   help="uneven pipeline: layers on the last stage")
     p.add_argument("--dp", type=int, default=1, help="data parallel size")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps to check")
     p.add_argument("--layers", type=int, default=None, help="override the model's layers")
@@ -49,10 +54,21 @@ def _validate(args) -> int:
     preset = am.PRESETS[MODELS[args.model]]
     dims = am.model_dims(am.with_layers(preset, args.layers) if args.layers else preset)
     etp = args.etp if args.etp is not None else (args.tp if dims.num_experts else 1)
-    if args.vpp > 1:
-        raise LayoutError("--vpp > 1: the CPU pipeline driver runs one model chunk per "
-                          "stage; virtual pipeline is covered by the layout unit tests")
-    lay = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, dp=args.dp)
+    first, last = args.first_stage_layers, args.last_stage_layers
+    if (first is not None or last is not None) and args.pp < 2:
+        raise LayoutError("--first/--last-stage-layers need pp > 1")
+    for flag, n in (("--first-stage-layers", first), ("--last-stage-layers", last)):
+        if n is not None and n <= 0:
+            raise LayoutError(f"{flag}={n} must be > 0 (megatron-core)")
+        if n is not None and n % args.vpp:
+            raise LayoutError(f"{flag}={n} not divisible by vpp={args.vpp} (megatron-core)")
+    if args.vpp > 1 and args.pp == 2 and first is not None and last is not None:
+        raise LayoutError(
+            "uneven first and last stage with pp=2 and vpp>1: megatron-core 0.16.1's "
+            "get_transformer_layer_offset divides by zero middle stages; set only one of them")
+    lay = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=etp, dp=args.dp,
+                         num_layers_in_first_pipeline_stage=first,
+                         num_layers_in_last_pipeline_stage=last)
     lay.validate(dims=dims)
     return lay.world_size
 
@@ -86,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     report = dict(bit_exact=result["bit_exact"], tensors=result["tensors"],
                   elements_checked=result["elements_checked"], layout=result["layout"],
                   non_bit_exact=result["bad"], training=result["training"],
-                  steps=result["steps"])
+                  updates=result["updates"], forward=result["forward"],
+                  stage_chunk_layers=result["stage_chunk_layers"], steps=result["steps"])
     print(json.dumps(report, indent=1) if args.json else _text(args.model, report))
     return 0 if report["bit_exact"] else 1
 
@@ -95,7 +112,12 @@ def _command(args, world: int, out: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-port", str(_free_port()), "-m", "nemo_dcr.adapters.megatron_check",
            "--model", MODELS[args.model], "--tp", str(args.tp), "--pp", str(args.pp),
-           "--ep", str(args.ep), "--steps", str(args.steps), "--out", out]
+           "--ep", str(args.ep), "--vpp", str(args.vpp), "--steps", str(args.steps),
+           "--out", out]
+    for flag, n in (("--first-stage-layers", args.first_stage_layers),
+                    ("--last-stage-layers", args.last_stage_layers)):
+        if n is not None:
+            cmd += [flag, str(n)]
     if args.etp is not None:
         cmd += ["--etp", str(args.etp)]
     if args.layers:
