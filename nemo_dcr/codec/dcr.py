@@ -62,8 +62,15 @@ class GroupIndex:
 
 def choose_groups(classes: np.ndarray, n_exponents: int) -> tuple[int, list[int]]:
     """Exponent range of the changes and the widths of its groups (greedy by change count)."""
-    counts = np.bincount(classes, minlength=n_exponents)
-    lo, hi = int(classes.min()), int(classes.max())
+    return groups_from_counts(np.bincount(classes, minlength=n_exponents))
+
+
+def groups_from_counts(counts: np.ndarray) -> tuple[int, list[int]]:
+    """:func:`choose_groups` from the class histogram of the changes (at least one change)."""
+    nzc = np.flatnonzero(counts)
+    lo, hi = int(nzc[0]), int(nzc[-1])
+    if MIN_GROUP_CHANGES == 1:  # every class holding a change closes a group
+        return lo, np.diff(nzc, prepend=lo - 1).astype(int).tolist()
     widths, acc, width = [], 0, 0
     for e in range(lo, hi + 1):
         acc, width = acc + int(counts[e]), width + 1

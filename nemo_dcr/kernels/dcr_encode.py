@@ -9,30 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..codec.dcr import groups_from_counts
 from ..codec.dtypes import DtypeSpec
 from .rice import best_k, coded_set, varints
-
-
-def groups_from_counts(counts: np.ndarray) -> tuple[int, list[int]]:
-    """``choose_groups`` of :mod:`nemo_dcr.codec.dcr` from the class histogram of the changes."""
-    from ..codec.dcr import MIN_GROUP_CHANGES
-
-    nzc = np.flatnonzero(counts)
-    lo, hi = int(nzc[0]), int(nzc[-1])
-    if MIN_GROUP_CHANGES == 1:  # every class holding a change closes a group
-        return lo, np.diff(nzc, prepend=lo - 1).astype(int).tolist()
-    widths, acc, width = [], 0, 0
-    for e in range(lo, hi + 1):
-        acc, width = acc + int(counts[e]), width + 1
-        if acc >= MIN_GROUP_CHANGES:
-            widths.append(width)
-            acc, width = 0, 0
-    if width:
-        if widths:
-            widths[-1] += width
-        else:
-            widths.append(width)
-    return lo, widths
 
 
 def signed_steps(ops, old, new, spec: DtypeSpec):
