@@ -27,25 +27,6 @@ def from_key(key: np.ndarray, spec: DtypeSpec) -> np.ndarray:
     return np.where(key & sign, key & ~sign & ones, ~key & ones).astype(spec.uint)
 
 
-def fold_steps(old: np.ndarray, new: np.ndarray, spec: DtypeSpec) -> np.ndarray:
-    """Folded magnitude-direction steps ``u >= 0`` (uint64) for changed elements."""
-    s = (to_key(new, spec).astype(np.int64) - to_key(old, spec).astype(np.int64))
-    neg_old = (old.astype(np.uint64) & np.uint64(spec.sign_mask)) != 0
-    d = np.where(neg_old, -s, s)
-    return (2 * (np.abs(d) - 1) + (d < 0)).astype(np.uint64)
-
-
-def unfold_steps(old: np.ndarray, u: np.ndarray, spec: DtypeSpec) -> np.ndarray:
-    """New bits from old bits and folded steps; caller checked ``(u >> 1) + 1 < 2**bits``."""
-    mag = (u >> np.uint64(1)).astype(np.int64) + 1
-    d = np.where((u & np.uint64(1)) != 0, -mag, mag)
-    neg_old = (old.astype(np.uint64) & np.uint64(spec.sign_mask)) != 0
-    s = np.where(neg_old, -d, d)
-    mod = np.int64(1 << spec.bits)
-    new_key = (to_key(old, spec).astype(np.int64) + s) % mod
-    return from_key(new_key.astype(np.uint64), spec)
-
-
 def signed_steps(old: np.ndarray, new: np.ndarray, spec: DtypeSpec) -> np.ndarray:
     """Magnitude-direction steps ``d`` (int64, never 0 for changed elements): positive = away from zero."""
     s = to_key(new, spec).astype(np.int64) - to_key(old, spec).astype(np.int64)
@@ -59,3 +40,9 @@ def apply_signed_steps(old: np.ndarray, d: np.ndarray, spec: DtypeSpec) -> np.nd
     s = np.where(neg_old, -d, d)
     new_key = (to_key(old, spec).astype(np.int64) + s) % np.int64(1 << spec.bits)
     return from_key(new_key.astype(np.uint64), spec)
+
+
+def fold_steps(old: np.ndarray, new: np.ndarray, spec: DtypeSpec) -> np.ndarray:
+    """Signed steps folded to ``u = 2(|d| - 1) + (d < 0) >= 0`` (uint64): one symbol per change."""
+    d = signed_steps(old, new, spec)
+    return (2 * (np.abs(d) - 1) + (d < 0)).astype(np.uint64)

@@ -142,7 +142,7 @@ class TaskConfig:
     """The ``task:`` block: prompts and the verifiable reward."""
 
     name: str = "arithmetic"
-    """Task: ``arithmetic`` (exact-answer reward on small +, -, * questions)."""
+    """Task: ``arithmetic`` (exact-answer reward on single-digit +/- questions)."""
     prompts_per_step: int = 2
     """Prompts (GRPO groups) per step."""
     group_size: int = 4
