@@ -156,6 +156,7 @@ def engine_main(workdir: str, step_a: str) -> None:
             break
     Path(workdir, "engine.json").write_text(json.dumps(dict(delta_apply=timed.apply_s, dense=dense_times,
                                                             mixed=timed.inner.engine.guard.mixed_version_served)))
+    transport.close()
 
 
 # ---------------------------------------------------------------- trainer process
@@ -254,6 +255,7 @@ def trainer_main(workdir: str, steps: list[str], repeats: int, encoding: str) ->
     trainer.transport.send(ENGINE, Envelope(MessageKind.STOP, 0, TRAINER))
     trainer.transport.flush()
     Path(workdir, "trainer.json").write_text(json.dumps(dict(rows=rows, bit_exact=exact)))
+    trainer.transport.close()
 
 
 # ---------------------------------------------------------------- parent: run, combine, report

@@ -107,6 +107,7 @@ def engine_main(cfg: ChaosConfig) -> None:
                  mixed_version_served=engine.guard.mixed_version_served, reads=engine.guard.reads_served,
                  crashes=len(crashed))
     Path(cfg.workdir, "engine.json").write_text(json.dumps(stats))
+    server.transport.close()
 
 
 def _tamper(kind: str, rank: int):
@@ -203,6 +204,7 @@ def trainer_main(cfg: ChaosConfig, rank: int) -> None:
         transport.send(cfg.trainers, Envelope(MessageKind.STOP, 0, rank))
         transport.flush()
         Path(cfg.workdir, "trainer.json").write_text(json.dumps(rows))
+    transport.close()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -9,6 +9,12 @@ version.  Receiving runs in one daemon thread per transport that blocks in ``rec
 files whole envelopes into a mailbox; :meth:`DistTransport.recv` waits on the mailbox with a
 timeout (a gloo wait that times out would close the connection), so no message is lost or split.
 
+Shutdown is a handshake: :meth:`DistTransport.close` sends a close head ``(-1, 0)`` to every other
+rank of the group and waits until the receiver has taken one from each of them, so no receive is
+left posted when the process exits.  (A receive still posted when a peer disconnects makes gloo
+raise on a thread the finalizing interpreter can no longer serve, and the process aborts with
+"terminate called without an active exception".)  Every rank of the group must call ``close``.
+
 The process group is passed as a value (``torch.distributed.ProcessGroupGloo(store, rank,
 size)`` or the default group), so a refit group of trainer and engine ranks can live next to
 the trainer's own Megatron world.
@@ -26,6 +32,7 @@ from .base import Envelope, TransportError
 
 DEFAULT_CHUNK = 4 << 20
 _TAG = 0
+_CLOSE = -1
 
 
 class DistTransport:
@@ -51,6 +58,8 @@ class DistTransport:
         self._box: list = []
         self._cond = threading.Condition()
         self._receiver: threading.Thread | None = None
+        self._closed_by: set[int] = set()
+        self._peers = {r for r in range(pg.size()) if r != rank} if hasattr(pg, "size") else set()
 
     def _post(self, tensor: torch.Tensor, dst: int) -> None:
         while len(self._inflight) >= self.max_inflight:
@@ -72,12 +81,17 @@ class DistTransport:
             self._inflight.popleft()[0].wait()
 
     def _receive_loop(self) -> None:
-        while True:
+        while not self._peers or not self._peers <= self._closed_by:
             head = torch.zeros(2, dtype=torch.int64)
             work = self.pg.recv_anysource([head], _TAG)
             work.wait()
             peer = work._source_rank()
             nbytes, chunk = int(head[0]), int(head[1])
+            if nbytes == _CLOSE:
+                with self._cond:
+                    self._closed_by.add(peer)
+                    self._cond.notify_all()
+                continue
             buf = bytearray(nbytes)
             for s in range(0, nbytes, chunk):
                 part = torch.empty(min(chunk, nbytes - s), dtype=torch.uint8, device=self.device)
@@ -91,13 +105,39 @@ class DistTransport:
                 self._box.append(env)
                 self._cond.notify_all()
 
+    def _start_receiver(self) -> None:
+        if self._receiver is None:
+            self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
+                                              name=f"refit-recv-{self.rank}")
+            self._receiver.start()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Shut down cleanly: flush, tell every other rank, and wait for theirs (see module doc).
+
+        Raises :class:`TransportError` naming the ranks that have not closed within ``timeout``;
+        messages still unread in the mailbox are dropped.
+        """
+        if not self._peers:
+            raise TransportError(f"rank {self.rank}: close needs a process group with size()")
+        deadline = time.monotonic() + timeout
+        self.flush()
+        with self._cond:
+            self._start_receiver()
+        heads = [self.pg.send([torch.tensor([_CLOSE, 0], dtype=torch.int64)], p, _TAG) for p in sorted(self._peers)]
+        # a gloo send completes only once the peer has posted its receive: wait off this thread
+        sent = threading.Thread(target=lambda: [w.wait() for w in heads], daemon=True,
+                                name=f"refit-close-{self.rank}")
+        sent.start()
+        for th in (sent, self._receiver):
+            th.join(max(0.0, deadline - time.monotonic()))
+        if sent.is_alive() or self._receiver.is_alive():
+            missing = sorted(self._peers - self._closed_by)
+            raise TransportError(f"rank {self.rank}: ranks {missing} did not close within {timeout}s")
+
     def recv(self, src: int | None = None, timeout: float | None = None) -> Envelope:
         """Next envelope (from ``src`` when given); raises :class:`TransportError` on timeout."""
         with self._cond:
-            if self._receiver is None:
-                self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
-                                                  name=f"refit-recv-{self.rank}")
-                self._receiver.start()
+            self._start_receiver()
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 for i, env in enumerate(self._box):

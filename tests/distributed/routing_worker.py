@@ -88,6 +88,7 @@ def engine_main(workdir: str, rank: int) -> None:
     server.serve(timeout=120)
     np.savez(Path(workdir, f"engine{tp_rank}.npz"), **{n: p.view(torch.int16).numpy() for n, p in params.items()})
     Path(workdir, f"engine{tp_rank}.json").write_text(json.dumps(dict(seen=engine.seen, refused=server.stats.refused)))
+    server.transport.close()
 
 
 def _drop_first(envs):
@@ -123,3 +124,4 @@ def trainer_main(workdir: str, refits: int) -> None:
     Path(workdir, "trainer.json").write_text(json.dumps(
         [dict(committed=o.committed, resynced=o.resynced, ok=o.verify is not None and o.verify.ok,
               detected=list(o.detected), version=o.version) for o in rows]))
+    transport.close()

@@ -56,6 +56,28 @@ def test_dist_transport_chunks_and_timeout(tmp_path):
     got = [rx.recv(timeout=10) for _ in big]  # the timed-out receive is resumed, not lost
     sender.join()
     assert got == big and tx.bytes_sent == sum(len(e.to_bytes()) for e in big)
+    closers = [threading.Thread(target=t.close, args=(10,)) for t in (tx, rx)]
+    [c.start() for c in closers]
+    [c.join() for c in closers]
+    assert tx._receiver is not None and not tx._receiver.is_alive() and not rx._receiver.is_alive()
+
+
+def test_dist_transport_close_names_the_rank_that_never_closed(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    pgs = [None, None]
+
+    def make(r):
+        pgs[r] = dist.ProcessGroupGloo(store, r, 2)
+
+    ts = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    a, b = DistTransport(pgs[0], 0), DistTransport(pgs[1], 1)
+    with pytest.raises(TransportError, match=r"ranks \[1\] did not close"):
+        a.close(timeout=0.2)
+    b.close(timeout=10)  # the late peer closes; both receivers end
+    a._receiver.join(10)
+    assert not a._receiver.is_alive() and not b._receiver.is_alive()
 
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])
