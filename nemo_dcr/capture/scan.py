@@ -21,6 +21,7 @@ import torch
 from nemo_dcr.capture.baseline import BaselineStore, int_view
 from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.kernels.scan import changed_positions
 
 DEFAULT_CHUNK = 1 << 24
 
@@ -72,7 +73,7 @@ def scan_param(name: str, param: torch.Tensor, base: torch.Tensor, lo: int, hi: 
         stop = min(start + chunk, hi)
         c = cur[start:stop]
         b = base[start:stop].to(c.device, non_blocking=True)
-        idx = torch.nonzero(c != b).reshape(-1)
+        idx = changed_positions(c, b)
         if idx.numel():
             pos_parts.append((idx + start).cpu())
             new_parts.append(c[idx].cpu())
