@@ -115,7 +115,13 @@ class _Writer:
         return bytes(self.table) + np.packbits(np.concatenate([q, r])).tobytes()
 
 
-def _encode_group(w: _Writer, ranks: np.ndarray, size: int, d: np.ndarray) -> None:
+def _bits(w: _Writer) -> int:
+    return sum(int(q.size) for q in w.q) + sum(int(r.size) for r in w.r)
+
+
+def _encode_group(w: _Writer, ranks: np.ndarray, size: int, d: np.ndarray, new: np.ndarray, spec: DtypeSpec) -> None:
+    from ..kernels.dcr_encode import literal_choice
+
     n = ranks.size
     bitio.write_varint(w.table, n)
     if n == 0:
@@ -124,16 +130,37 @@ def _encode_group(w: _Writer, ranks: np.ndarray, size: int, d: np.ndarray) -> No
     mag = np.abs(d) - 1
     m_off = int(mag.min())
     nz = np.flatnonzero(mag > m_off)
+    k_val = bitio.best_rice_k((mag[nz] - m_off - 1).astype(np.uint64))[0] if nz.size else 0
+    steps = _Writer()
+    steps.coded_set(neg, n)
+    steps.coded_set(nz, n)
+    if nz.size:
+        steps.rice((mag[nz] - m_off - 1).astype(np.uint64), k_val)
+    mb = spec.exp_shift
+    new = new.astype(np.int64) & ((1 << spec.bits) - 1)
+    e_new = (new >> mb) & ((1 << spec.exp_bits) - 1)
+    e_ref = int(np.argmax(np.bincount(e_new, minlength=spec.n_exponents)))
+    x = e_new - e_ref
+    zz = ((x << 1) ^ (x >> 63)).astype(np.uint64)
+    k_lit = bitio.best_rice_k(zz)[0]
+    lit_v = (zz << np.uint64(mb + 1)) | ((new >> (spec.bits - 1)) << mb).astype(np.uint64) | (new & ((1 << mb) - 1)).astype(np.uint64)
+    literal = _Writer()
+    literal.rice(lit_v, k_lit + mb + 1)
+    one = lambda v: np.array([v], np.int64)  # noqa: E731
+    w.coded_set(ranks, size)
+    if literal_choice(one(n), one(neg.size), one(m_off), one(nz.size), one(_bits(steps)), one(_bits(literal)),
+                      one(e_ref), one(k_lit))[0]:
+        for v in (n + 1, e_ref, k_lit):
+            bitio.write_varint(w.table, v)
+        w.q += literal.q
+        w.r += literal.r
+        return
     for v in (neg.size, m_off, nz.size):
         bitio.write_varint(w.table, v)
-    k_val = bitio.best_rice_k((mag[nz] - m_off - 1).astype(np.uint64))[0] if nz.size else 0
     if nz.size:
         w.table.append(k_val)
-    w.coded_set(ranks, size)
-    w.coded_set(neg, n)
-    w.coded_set(nz, n)
-    if nz.size:
-        w.rice((mag[nz] - m_off - 1).astype(np.uint64), k_val)
+    w.q += steps.q
+    w.r += steps.r
 
 
 def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec) -> bytes:
@@ -163,7 +190,7 @@ def encode_dcr_per_group(base_bits: np.ndarray, positions: np.ndarray, new_bits:
         ranks = np.flatnonzero(changed_sorted[index.starts[g] : index.starts[g + 1]])
         pos_g = index.members(g)[ranks]
         sel = np.searchsorted(positions, pos_g)
-        _encode_group(w, ranks, index.size(g), signed_steps(base_bits[pos_g], new_bits[sel], spec))
+        _encode_group(w, ranks, index.size(g), signed_steps(base_bits[pos_g], new_bits[sel], spec), new_bits[sel], spec)
     return w.finish()
 
 

@@ -22,6 +22,10 @@ class _Group:
     m_off: int = 0
     n_nz: int = 0
     k_val: int = 0
+    lit: bool = False  # literal group: new bits coded directly (n_neg = n + 1 on the wire)
+    e_ref: int = 0
+    k_lit: int = 0
+    k_item: int = 0  # Rice k of a literal value: k_lit + mantissa bits + 1
 
 
 def _read_groups(reader: bitio.ByteReader, spec: DtypeSpec, name: str):
@@ -40,7 +44,16 @@ def _read_group(reader: bitio.ByteReader, size: int, g: int, spec: DtypeSpec, na
         raise MalformedRecordError(f"group {g}: {grp.n} changes but only {size} elements", name)
     if grp.n == 0:
         return grp
-    grp.n_neg, grp.m_off, grp.n_nz = reader.varint(), reader.varint(), reader.varint()
+    grp.n_neg = reader.varint()
+    if grp.n_neg == grp.n + 1:
+        grp.lit, grp.n_neg, grp.e_ref, grp.k_lit = True, 0, reader.varint(), reader.byte()
+        if grp.e_ref >= spec.n_exponents:
+            raise MalformedRecordError(f"group {g}: literal reference exponent {grp.e_ref} invalid for {spec.name}", name)
+        if grp.k_lit + spec.exp_shift + 1 > bitio.MAX_K:
+            raise MalformedRecordError(f"group {g}: literal Rice parameter {grp.k_lit} too large", name)
+        grp.k_item = grp.k_lit + spec.exp_shift + 1
+        return grp
+    grp.m_off, grp.n_nz = reader.varint(), reader.varint()
     if grp.n_neg > grp.n or grp.n_nz > grp.n:
         raise MalformedRecordError(f"group {g}: sign/magnitude counts exceed {grp.n} changes", name)
     if grp.m_off + 1 >= (1 << spec.bits):
@@ -59,6 +72,12 @@ def _rice_plan(groups: list[_Group]):
     plan = []
     for grp in groups:
         if grp.n == 0:
+            continue
+        if grp.lit:
+            if grp.n < grp.size:
+                coded = min(grp.n, grp.size - grp.n)
+                plan.append((coded, set_rice_k(coded, grp.size)))
+            plan.append((grp.n, grp.k_item))
             continue
         for count, size in ((grp.n, grp.size), (grp.n_neg, grp.n), (grp.n_nz, grp.n)):
             if 0 < count < size:
@@ -139,6 +158,8 @@ def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str) -> tuple
 
 def decode_dcr_per_group(body, base_bits: np.ndarray, spec: DtypeSpec, name: str) -> tuple[np.ndarray, np.ndarray]:
     """The straightforward group-by-group decoder (reference for tests and benchmarks)."""
+    from ..kernels.dcr_decode import literal_new
+    from ..kernels.xp import NumpyOps
     from .dcr import GroupIndex
 
     reader = bitio.ByteReader(body, name)
@@ -153,6 +174,11 @@ def decode_dcr_per_group(body, base_bits: np.ndarray, spec: DtypeSpec, name: str
         ranks = _subset(lists, grp.n, grp.size, name, f"group {g} positions")
         pos_g = index.members(g)[ranks]
         pos_parts.append(pos_g)
+        if grp.lit:
+            old = base_bits[pos_g].astype(np.int64) & ((1 << spec.bits) - 1)
+            v = lists.pop(0).astype(np.int64)
+            new_parts.append(literal_new(NumpyOps(), v, grp.e_ref, old, spec, name).astype(spec.uint))
+            continue
         new_parts.append(apply_signed_steps(base_bits[pos_g], _group_steps(lists, grp, spec, name), spec))
     if not pos_parts:
         return np.zeros(0, np.int64), np.zeros(0, spec.uint)

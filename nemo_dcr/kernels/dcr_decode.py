@@ -18,9 +18,10 @@ from .rice import seg_sum, set_rice_k
 _LIMIT = 1 << 62  # every valid Rice value is below this (gaps < numel < 2**62, steps < 2**32)
 
 
-def _plan(n, size, n_neg, n_nz, k_val):
-    """Per Rice-coded item in stream order: group, type (0 ranks, 1 signs, 2 magnitudes set,
-    3 extras), count coded, k, and whether a set is coded by its complement."""
+def _plan(n, size, n_neg, n_nz, k_val, lit, k_item):
+    """Per Rice-coded item in stream order: group, type (0 ranks, 1 signs or a literal group's
+    values, 2 magnitudes set, 3 extras), count coded, k, and whether a set is coded by its
+    complement."""
     G = n.size
     cnt = np.stack([n, n_neg, n_nz, n_nz], 1)
     uni = np.stack([size, n, n, n], 1)
@@ -33,6 +34,8 @@ def _plan(n, size, n_neg, n_nz, k_val):
     present = ~trivial
     present[:, 3] = n_nz > 0
     present &= (n > 0)[:, None]
+    lg = lit & (n > 0)  # literal groups: ranks, then n literal values as item 1
+    present[lg, 1], coded[lg, 1], k[lg, 1], comp[lg, 1] = True, n[lg], k_item[lg], False
     gi, ti = np.nonzero(present)
     return gi, ti, coded[gi, ti], k[gi, ti], comp[gi, ti], cnt, uni
 
@@ -113,21 +116,41 @@ def decode_body(ops, body, base, spec: DtypeSpec, name: str, make_index):
     starts = first[lo + np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)]
     sizes = np.diff(starts)
     grps = [_read_group(reader, int(sizes[g]), g, spec, name) for g in range(len(widths))]
-    n, n_neg, m_off, n_nz, k_val = (np.array([getattr(x, a) for x in grps], np.int64)
-                                    for a in ("n", "n_neg", "m_off", "n_nz", "k_val"))
-    gi, ti, coded, ks, comp, cnt, uni = _plan(n, sizes, n_neg, n_nz, k_val)
+    n, n_neg, m_off, n_nz, k_val, e_ref, k_item = (np.array([getattr(x, a) for x in grps], np.int64) for a in
+                                                   ("n", "n_neg", "m_off", "n_nz", "k_val", "e_ref", "k_item"))
+    lit = np.array([x.lit for x in grps], bool)
+    gi, ti, coded, ks, comp, cnt, uni = _plan(n, sizes, n_neg, n_nz, k_val, lit, k_item)
     vals = _rice_values(ops, reader, coded, ks, name)
-    item_of = np.repeat(ti, coded)
+    item_of = np.repeat(np.where(lit[gi] & (ti == 1), 4, ti), coded)  # 4: literal values
     parts = {}
     for t, what in ((0, "positions"), (1, "signs"), (2, "magnitudes")):
-        sel = ti == t
+        sel = (ti == t) & ~(lit[gi] & (ti == 1))
         v = vals[ops.dev(np.flatnonzero(item_of == t))]
         parts[t] = _members(ops, v, gi[sel], coded[sel], comp[sel], cnt[:, t], uni[:, t], name, what)
     extra = vals[ops.dev(np.flatnonzero(item_of == 3))]
-    return _rebuild(ops, base, spec, index, starts, n, m_off, parts, extra, name)
+    literal = (vals[ops.dev(np.flatnonzero(item_of == 4))], lit, e_ref)
+    return _rebuild(ops, base, spec, index, starts, n, m_off, parts, extra, literal, name)
 
 
-def _rebuild(ops, base, spec, index, starts, n, m_off, parts, extra, name):
+def literal_new(ops, v, e_ref, old, spec: DtypeSpec, name: str):
+    """New bits of literal changes from their Rice values (int64; wire_format.md 4.4).
+
+    ``v = zigzag(e_new - e_ref) << (mb + 1) | sign << mb | mantissa`` with ``mb`` mantissa bits;
+    the exponent must fit its field and the new bits must differ from ``old``
+    [MalformedRecordError].
+    """
+    mb = spec.exp_shift
+    zz = v >> (mb + 1)
+    e = e_ref + ((zz >> 1) ^ -(zz & 1))
+    if ops.any((e < 0) | (e >= spec.n_exponents)):
+        raise MalformedRecordError("literal exponent outside its field", name)
+    new = (((v >> mb) & 1) << (spec.bits - 1)) | (e << mb) | (v & ((1 << mb) - 1))
+    if ops.any(new == old):
+        raise MalformedRecordError("literal equals the old bits (not a change)", name)
+    return new
+
+
+def _rebuild(ops, base, spec, index, starts, n, m_off, parts, extra, literal, name):
     rank, g = parts[0]
     positions = index.select(ops.dev(starts)[g] + rank)
     seg = ops.dev(np.cumsum(n) - n)
@@ -143,6 +166,10 @@ def _rebuild(ops, base, spec, index, starts, n, m_off, parts, extra, name):
     d[seg[neg_g] + neg_loc] *= -1
     old = ops.unsigned(base[positions], spec.bits)
     new = apply_steps(old, d, spec)
+    lit_vals, lit, e_ref = literal
+    if lit.any():
+        ls = ops.nonzero(ops.dev(lit)[g])
+        new[ls] = literal_new(ops, lit_vals, ops.dev(e_ref)[g[ls]], old[ls], spec, name)
     perm = ops.argsort_stable(positions)
     return positions[perm], new[perm]
 

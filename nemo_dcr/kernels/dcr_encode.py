@@ -11,7 +11,7 @@ import numpy as np
 
 from ..codec.dcr import groups_from_counts
 from ..codec.dtypes import DtypeSpec
-from .rice import best_k, coded_set, varints
+from .rice import best_k, coded_set, seg_sum, varints
 
 
 def signed_steps(ops, old, new, spec: DtypeSpec):
@@ -25,15 +25,50 @@ def signed_steps(ops, old, new, spec: DtypeSpec):
     return s - 2 * s * neg_old
 
 
-def _table(lo, widths, n, n_neg, m_off, n_nz, k_val, q_len, r_len) -> bytes:
+def _table(lo, widths, n, n_neg, m_off, n_nz, k_val, lit, e_ref, k_lit, q_len, r_len) -> bytes:
     vals = [lo, len(widths), *widths]
     for g in range(len(widths)):
         vals.append(int(n[g]))
-        if n[g]:
+        if n[g] and lit[g]:
+            vals += [int(n[g]) + 1, int(e_ref[g]), int(k_lit[g])]  # n_neg = n + 1 marks a literal group
+        elif n[g]:
             vals += [int(n_neg[g]), int(m_off[g]), int(n_nz[g])]
             if n_nz[g]:
                 vals.append(int(k_val[g]))  # k <= 63: its byte equals its varint
     return varints(vals + [q_len, r_len])
+
+
+def varint_len(x: np.ndarray) -> np.ndarray:
+    """Bytes of the unsigned LEB128 of each (host, int64, >= 0) value."""
+    x = np.asarray(x, np.int64)
+    return np.maximum(1, (np.frexp(x.astype(np.float64))[1] + 6) // 7)
+
+
+def literal_choice(n, n_neg, m_off, n_nz, step_bits, lit_bits, e_ref, k_lit) -> np.ndarray:
+    """Groups coded as literals: where literal bits + table bytes beat the steps' (strictly).
+
+    ``step_bits``/``lit_bits`` (host, per group) are the bits the sign/magnitude items or the
+    literal items would take in the streams; the ranks set is the same either way.
+    """
+    step_tab = varint_len(n_neg) + varint_len(m_off) + varint_len(n_nz) + (n_nz > 0)
+    lit_tab = varint_len(n + 1) + varint_len(e_ref) + 1
+    return (n > 0) & (lit_bits + 8 * lit_tab < step_bits + 8 * step_tab)
+
+
+def zigzag(x):
+    """0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (int64)."""
+    return (x << 1) ^ (x >> 63)
+
+
+def _group_bits(ops, items, G: int) -> np.ndarray:
+    """Per group, the stream bits of ``(values, group id, k)`` items (host int64)."""
+    out = np.zeros(G, np.int64)
+    for v, gid, k in items:
+        if v.shape[0] == 0:
+            continue
+        perm = ops.argsort_stable(gid)
+        out += ops.host(seg_sum(ops, ((v >> k) + 1 + k)[perm], ops.bincount(gid, G)))
+    return out
 
 
 def _streams(ops, items) -> tuple[int, int, bytes]:
@@ -87,12 +122,29 @@ def encode_body(ops, base, positions, new_bits, spec: DtypeSpec, sorted_pos) -> 
     g_ex = g[nz]
     extra = mag[nz] - m_off_dev[g_ex] - 1
     k_val = best_k(ops, extra, g_ex, n_nz)
-    items = []
-    for t, (loc, gid, cnt, size) in enumerate(((rank, g, n, sizes), (local[neg], g[neg], n_neg, n),
-                                               (local[nz], g_ex, n_nz, n))):
+    mb = spec.exp_shift
+    e_new = (new >> mb) & mask
+    e_ref = np.argmax(ops.host(ops.bincount(g * n_exp + e_new, G * n_exp)).reshape(G, n_exp), axis=1)
+    zz = zigzag(e_new - ops.dev(e_ref)[g])
+    k_lit = best_k(ops, zz, g, n)
+    lit_v = (zz << (mb + 1)) | ((new >> (spec.bits - 1)) << mb) | (new & ((1 << mb) - 1))
+    lit_k = ops.dev(k_lit + mb + 1)[g]
+    sets = []
+    for loc, gid, cnt, size in ((local[neg], g[neg], n_neg, n), (local[nz], g_ex, n_nz, n)):
         vals, ids, k = coded_set(ops, loc, gid, cnt, size)
-        items.append((vals, ids * 4 + t, ops.dev(k)[ids]))
-    items.append((extra, g_ex * 4 + 3, ops.dev(k_val)[g_ex]))
-    q_len, r_len, packed = _streams(ops, items)
+        sets.append((vals, ids, ops.dev(k)[ids]))
+    steps = sets + [(extra, g_ex, ops.dev(k_val)[g_ex])]
     m_off = np.where(n > 0, ops.host(m_off_dev), 0)
-    return _table(lo, widths, n, n_neg, m_off, n_nz, k_val, q_len, r_len) + packed
+    lit = literal_choice(n, n_neg, m_off, n_nz, _group_bits(ops, steps, G),
+                         _group_bits(ops, [(lit_v, g, lit_k)], G), e_ref, k_lit)
+    vals, ids, k = coded_set(ops, rank, g, n, sizes)
+    items = [(vals, ids * 4, ops.dev(k)[ids])]
+    lit_dev = ops.dev(lit)
+    for t, (v, gid, kk) in enumerate(steps, start=1):
+        keep = ops.nonzero(~lit_dev[gid])
+        items.append((v[keep], gid[keep] * 4 + t, kk[keep]))
+    if lit.any():
+        sel = ops.nonzero(lit_dev[g])
+        items.append((lit_v[sel], g[sel] * 4 + 1, lit_k[sel]))
+    q_len, r_len, packed = _streams(ops, items)
+    return _table(lo, widths, n, n_neg, m_off, n_nz, k_val, lit, e_ref, k_lit, q_len, r_len) + packed

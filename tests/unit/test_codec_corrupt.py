@@ -1012,7 +1012,7 @@ DCR_CASES = {
     # per-group fields
     "n_over_group_size": (_on("changed", _field("n", lambda g, p: g["size"] + 1)), MalformedRecordError),
     "n_huge": (_on("changed", _field("n", 2**64)), MalformedRecordError),
-    "n_neg_over_n": (_on("changed", _field("n_neg", lambda g, p: g["n"] + 1)), MalformedRecordError),
+    "n_neg_over_n": (_on("changed", _field("n_neg", lambda g, p: g["n"] + 2)), MalformedRecordError),  # n + 1 marks a literal group
     "n_nz_over_n": (_on("changed", _field("n_nz", lambda g, p: g["n"] + 1)), MalformedRecordError),
     "k_val_64": (_on("vals", _field("k_val", 64)), MalformedRecordError),
     "k_val_255": (_on("vals", _field("k_val", 255)), MalformedRecordError),

@@ -275,7 +275,13 @@ def spec_decode_dcr(body: bytes, base: list[int], nbits: int, shift: int, ebits:
         n, n_neg, m_off, n_nz, k_val = rd.varint(), 0, 0, 0, None
         assert n <= len(members[g])
         if n:
-            n_neg, m_off, n_nz = rd.varint(), rd.varint(), rd.varint()
+            n_neg = rd.varint()
+            if n_neg == n + 1:  # literal group: reference exponent and Rice parameter
+                e_ref, k_lit = rd.varint(), rd.byte()
+                assert e_ref < n_classes and k_lit + shift + 1 <= 63
+                table.append((n, "literal", e_ref, k_lit, None))
+                continue
+            m_off, n_nz = rd.varint(), rd.varint()
             assert n_neg <= n and n_nz <= n
             assert n_nz < n  # m_off is the minimum of |d| - 1: some change has exactly m_off
             if n_nz:
@@ -321,6 +327,18 @@ def spec_decode_dcr(body: bytes, base: list[int], nbits: int, shift: int, ebits:
         # signs and magnitudes index the group's changes "in increasing position order" (flat index);
         # this differs from rank order only when a group's changes lie in more than one class
         changes = sorted(members[g][rank] for rank in coded_set(n, len(members[g])))
+        if n_neg == "literal":  # per change: zigzag(e_new - e_ref) << (shift + 1) | sign << shift | mantissa
+            seen.add("literal")
+            e_ref, k_lit = m_off, n_nz
+            for pos in changes:
+                v = rice(k_lit + shift + 1)
+                zz = v >> (shift + 1)
+                e = e_ref + (zz // 2 if zz % 2 == 0 else -(zz + 1) // 2)
+                assert 0 <= e < n_classes
+                new = (((v >> shift) & 1) << (nbits - 1)) | (e << shift) | (v & ((1 << shift) - 1))
+                assert new != base[pos]
+                out[pos] = new
+            continue
         neg = set(coded_set(n_neg, n))
         nz = coded_set(n_nz, n)
         seen.update({"groups>1" if n_groups > 1 else "groups=1", "m_off>0" if m_off else "m_off=0"})
@@ -485,4 +503,4 @@ def test_golden_dcr_covers_the_coding():
             _, nbits, shift, ebits = SPEC[r["dtype"]]
             spec_decode_dcr(body, [int(x) for x in ibits(base[r["name"]])], nbits, shift, ebits, seen)
     assert {"set", "complement_set", "full_set", "set_k=0", "set_k>0", "groups>1", "m_off=0", "m_off>0",
-            "k_val>0", "mixed_signs"} <= seen, seen
+            "k_val>0", "mixed_signs", "literal"} <= seen, seen
