@@ -21,7 +21,6 @@ import torch
 from nemo_dcr.capture.baseline import BaselineStore, int_view
 from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec.dtypes import spec_of
-from nemo_dcr.kernels.scan import changed_positions
 
 DEFAULT_CHUNK = 1 << 24
 
@@ -66,6 +65,8 @@ def capture(
 def scan_param(name: str, param: torch.Tensor, base: torch.Tensor, lo: int, hi: int,
                chunk: int = DEFAULT_CHUNK) -> SparseDelta:
     """Compare ``param.flat[lo:hi]`` with ``base[lo:hi]`` (integer views) in chunks."""
+    from nemo_dcr.kernels.scan import changed_positions  # here: kernels -> codec -> capture at import
+
     spec = spec_of(param.dtype)
     cur = int_view(param)
     pos_parts, new_parts, old_parts = [], [], []
