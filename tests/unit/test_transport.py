@@ -37,7 +37,8 @@ def test_inproc_order_and_source_filter():
         c.recv(timeout=0.01)
 
 
-def test_dist_transport_chunks_and_timeout(tmp_path):
+def _gloo_pair(tmp_path):
+    """Two gloo process groups of one 2-rank world in this process (ranks 0 and 1)."""
     store = dist.FileStore(str(tmp_path / "store"), 2)
     pgs = [None, None]
 
@@ -47,6 +48,11 @@ def test_dist_transport_chunks_and_timeout(tmp_path):
     ts = [threading.Thread(target=make, args=(r,)) for r in range(2)]
     [t.start() for t in ts]
     [t.join() for t in ts]
+    return pgs
+
+
+def test_dist_transport_chunks_and_timeout(tmp_path):
+    pgs = _gloo_pair(tmp_path)
     tx, rx = DistTransport(pgs[0], 0, chunk_bytes=1000, max_inflight=2), DistTransport(pgs[1], 1)
     with pytest.raises(TransportError):
         rx.recv(timeout=0.05)
@@ -63,15 +69,7 @@ def test_dist_transport_chunks_and_timeout(tmp_path):
 
 
 def test_dist_transport_close_names_the_rank_that_never_closed(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 2)
-    pgs = [None, None]
-
-    def make(r):
-        pgs[r] = dist.ProcessGroupGloo(store, r, 2)
-
-    ts = [threading.Thread(target=make, args=(r,)) for r in range(2)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
+    pgs = _gloo_pair(tmp_path)
     a, b = DistTransport(pgs[0], 0), DistTransport(pgs[1], 1)
     with pytest.raises(TransportError, match=r"ranks \[1\] did not close"):
         a.close(timeout=0.2)
