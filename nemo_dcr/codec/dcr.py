@@ -120,7 +120,7 @@ def _bits(w: _Writer) -> int:
 
 
 def _encode_group(w: _Writer, ranks: np.ndarray, size: int, d: np.ndarray, new: np.ndarray, spec: DtypeSpec) -> None:
-    from ..kernels.dcr_encode import literal_choice
+    from ..kernels.dcr_encode import literal_choice, zigzag
 
     n = ranks.size
     bitio.write_varint(w.table, n)
@@ -140,8 +140,7 @@ def _encode_group(w: _Writer, ranks: np.ndarray, size: int, d: np.ndarray, new: 
     new = new.astype(np.int64) & ((1 << spec.bits) - 1)
     e_new = (new >> mb) & ((1 << spec.exp_bits) - 1)
     e_ref = int(np.argmax(np.bincount(e_new, minlength=spec.n_exponents)))
-    x = e_new - e_ref
-    zz = ((x << 1) ^ (x >> 63)).astype(np.uint64)
+    zz = zigzag(e_new - e_ref).astype(np.uint64)
     k_lit = bitio.best_rice_k(zz)[0]
     lit_v = (zz << np.uint64(mb + 1)) | ((new >> (spec.bits - 1)) << mb).astype(np.uint64) | (new & ((1 << mb) - 1)).astype(np.uint64)
     literal = _Writer()
