@@ -22,7 +22,7 @@ import torch
 
 from nemo_dcr import codec
 from nemo_dcr.checkpoint import load_checkpoint
-from nemo_dcr.codec.dtypes import bits_view, spec_of
+from nemo_dcr.types import bits_view, spec_of
 from nemo_dcr.codec.stats import TensorStats, entropy_bits, layer_type, summarize
 
 ENCODINGS = ("reference", "dcr")

@@ -23,8 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_dcr.codec.dcr import encode_dcr  # noqa: E402
-from nemo_dcr.codec.dtypes import DTYPES, bits_view  # noqa: E402
-from nemo_dcr.kernels import apply_changes, decode_dcr_torch, encode_dcr_torch, scan_changes  # noqa: E402
+from nemo_dcr.types import DTYPES, bits_view  # noqa: E402
+from nemo_dcr.codec.dcr import decode_dcr_torch, encode_dcr_torch
+from nemo_dcr.kernels import scan_changes, write_bits  # noqa: E402
 
 
 def timed(fn, device, reps: int = 5) -> float:
@@ -67,7 +68,7 @@ def bench_apply(n: int, device) -> dict:
     dense = torch.randn(n, generator=g, device=device).to(torch.bfloat16)
     pos = torch.randperm(n, generator=g, device=device)[: n // 100].sort().values
     new = dense.view(torch.int16)[pos]
-    t_apply = timed(lambda: apply_changes(w, pos, new), device)
+    t_apply = timed(lambda: write_bits(w, pos, new), device)
     t_dense = timed(lambda: w.copy_(dense), device)
     return {"elements": n, "changed": pos.numel(), "apply_ms": 1e3 * t_apply, "dense_copy_ms": 1e3 * t_dense,
             "apply_speedup_vs_dense": t_dense / t_apply}
@@ -85,7 +86,7 @@ def bench_codec(n: int, device) -> dict:
     ref = encode_dcr(bits_view(w_h), pos_h, bits_view(t_h)[pos_h], DTYPES["bf16"])
     t_cpu = time.perf_counter() - t0
     out = w.clone()
-    apply_changes(out, *decode_dcr_torch(body, w))
+    write_bits(out, *decode_dcr_torch(body, w))
     exact = bool(torch.equal(out.view(torch.int16), t.view(torch.int16)))
     return {"elements": n, "changed": pos.numel(), "bytes": len(body), "bytes_per_changed": len(body) / max(pos.numel(), 1),
             "encode_Mchanged_per_s": pos.numel() / t_enc / 1e6, "decode_Mchanged_per_s": pos.numel() / t_dec / 1e6,

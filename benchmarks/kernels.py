@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_dcr.codec.dcr import decode_dcr, encode_dcr, encode_dcr_per_group  # noqa: E402
-from nemo_dcr.codec.dcr_decode import decode_dcr_per_group  # noqa: E402
-from nemo_dcr.codec.dtypes import bits_view, spec_of  # noqa: E402
-from nemo_dcr.kernels import decode_dcr_torch, encode_dcr_torch, scan_changes  # noqa: E402
-from nemo_dcr.kernels.index import encoder_sorted_pos_np  # noqa: E402
+from nemo_dcr.codec.dcr import decode_dcr, decode_dcr_per_group, encode_dcr, encode_dcr_per_group  # noqa: E402
+from nemo_dcr.types import bits_view, spec_of  # noqa: E402
+from nemo_dcr.codec.dcr import decode_dcr_torch, encode_dcr_torch
+from nemo_dcr.kernels import scan_changes  # noqa: E402
+from nemo_dcr.codec.dcr.index import encoder_sorted_pos_np  # noqa: E402
 from nemo_dcr.verify.checksum import tensor_checksum  # noqa: E402
 
 

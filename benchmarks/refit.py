@@ -44,10 +44,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.capture import BaselineStore, capture, int_view
-from nemo_dcr.capture.delta import SparseDelta
+from nemo_dcr.capture import BaselineStore, capture
+from nemo_dcr.types import int_view
+from nemo_dcr.types import SparseDelta
 from nemo_dcr.checkpoint import load_checkpoint
-from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.types import spec_of
 from nemo_dcr.refit.coordinator import PhaseClock, RefitConfig, RefitSender
 from nemo_dcr.refit.group import LocalGroup
 from nemo_dcr.refit.messages import QUERY_DIGESTS, EngineReply

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.capture import BaselineStore, SparseDelta, capture, int_view
+from nemo_dcr.capture import BaselineStore, capture
 from nemo_dcr.codec import Identity, encode_deltas
-from nemo_dcr.codec.dtypes import spec_of
 from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.types import SparseDelta, int_view, spec_of
 
 
 class TrainerShard(Protocol):

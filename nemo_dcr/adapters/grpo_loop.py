@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from nemo_dcr.adapters.grpo_engine import rl_config, rollout
 from nemo_dcr.adapters.grpo_trainer import build_trainer, policy_gradient_backward
-from nemo_dcr.capture import int_view
 from nemo_dcr.config import load_config, to_yaml
 from nemo_dcr.hook import DeltaRefit
 from nemo_dcr.telemetry import TelemetryWriter, step_record
+from nemo_dcr.types import int_view
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from nemo_dcr.adapters import megatron as am
-from nemo_dcr.adapters.megatron_params import capture_ranges, dense_export, local_params, load_hf
+from nemo_dcr.adapters.megatron_params import capture_ranges, dense_export, load_hf, local_params
 from nemo_dcr.adapters.megatron_train import MasterAdamW, pipeline_forward_backward
-from nemo_dcr.capture import SparseDelta
+from nemo_dcr.types import SparseDelta
 
 
 class MegatronShard:

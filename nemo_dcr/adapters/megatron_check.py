@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 from nemo_dcr.adapters import megatron as am
 from nemo_dcr.adapters.megatron_memory import AllocationTracker
-from nemo_dcr.adapters.megatron_params import capture_ranges, dense_export, local_params, load_hf
+from nemo_dcr.adapters.megatron_params import capture_ranges, dense_export, load_hf, local_params
 from nemo_dcr.adapters.megatron_train import MasterAdamW, pipeline_forward_backward
-from nemo_dcr.capture import BaselineStore, capture, int_view
+from nemo_dcr.capture import BaselineStore, capture
+from nemo_dcr.types import int_view
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -15,7 +15,6 @@ import re
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 
 from nemo_dcr.adapters.megatron import ModelPreset, padded_vocab
 

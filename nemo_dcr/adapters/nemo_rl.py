@@ -33,10 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_dcr.capture import int_view
 from nemo_dcr.codec import Identity, decode, diff_tensors, encode_deltas, inspect
-from nemo_dcr.codec.dtypes import DTYPES, spec_of
 from nemo_dcr.config.schema import ENCODINGS
+from nemo_dcr.types import DTYPES, int_view, spec_of
 
 SELECTOR = "nemo_dcr.adapters.nemo_rl:DcrCheckpointEngine"
 

@@ -40,7 +40,7 @@ import torch
 
 from nemo_dcr.adapters.hf import load_embedded_model, load_embedded_tokenizer, state_dict_bits
 from nemo_dcr.checkpoint import save_checkpoint
-from nemo_dcr.codec.dtypes import bits_view
+from nemo_dcr.types import bits_view
 
 ANSWER_RE = re.compile(r"-?\d+")
 

@@ -11,8 +11,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from nemo_dcr.capture.baseline import int_view
-from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
 
 from .guard import VersionGuard

@@ -15,8 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from nemo_dcr.capture.baseline import int_view
-from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.checksum import MASK64, hash_sum
 
 from .engine import TensorEngine

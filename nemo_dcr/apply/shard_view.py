@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nemo_dcr.capture.baseline import int_view
+from nemo_dcr.types import int_view
 
 from .placement import Runs
 

@@ -23,11 +23,10 @@ from typing import Callable, Iterator, Mapping, Sequence, Union
 import numpy as np
 import torch
 
-from nemo_dcr.capture.baseline import int_view
-from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec import decode, inspect
-from nemo_dcr.codec.dtypes import spec_of
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
+from nemo_dcr.kernels import read_bits, write_bits
+from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
 
 from .errors import ApplyVerificationError, IncompletePartsError, VersionMismatchError
@@ -100,8 +99,8 @@ class UndoLog:
 
     def scatter(self, view: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
         """``view[pos] = new`` after saving ``view[pos]``."""
-        self._entries.append((view, pos, view[pos].clone()))
-        view[pos] = new
+        self._entries.append((view, pos, read_bits(view, pos)))
+        write_bits(view, pos, new)
 
     def overwrite(self, view: torch.Tensor, new: torch.Tensor) -> None:
         """``view[:] = new`` after saving the whole tensor."""
@@ -114,7 +113,7 @@ class UndoLog:
             if pos is None:
                 view.copy_(old)
             else:
-                view[pos] = old
+                write_bits(view, pos, old)
         self._entries.clear()
 
     @property
@@ -124,14 +123,7 @@ class UndoLog:
                    for _, pos, old in self._entries)
 
 
-def _signed(bits: np.ndarray) -> torch.Tensor:
-    signed = {1: np.uint8, 2: np.int16, 4: np.int32}[bits.itemsize]
-    return torch.from_numpy(np.ascontiguousarray(bits).view(signed))
-
-
 def _readback(view: torch.Tensor, pos: torch.Tensor, dtype: str) -> np.ndarray:
-    from nemo_dcr.codec.dtypes import DTYPES
-
     return view[pos].cpu().numpy().view(DTYPES[dtype].uint)
 
 
@@ -189,7 +181,7 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
             if not d.nnz:
                 continue
             view, pos = _target(tensors[d.name], d.positions)
-            undo.scatter(view, pos, _signed(d.new_bits).to(view.device))
+            undo.scatter(view, pos, carrier(d.new_bits).to(view.device))
             touched[d.name] = d.nnz
             if fault is not None:
                 fault(d.name)
@@ -244,7 +236,7 @@ def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ve
         for d in deltas:
             t = tensors[d.name]
             full = torch.zeros(d.numel, dtype=int_view(torch.zeros(1, dtype=t.dtype)).dtype)
-            full[torch.from_numpy(np.ascontiguousarray(d.positions))] = _signed(d.new_bits)
+            full[torch.from_numpy(np.ascontiguousarray(d.positions))] = carrier(d.new_bits)
             _overwrite(undo, t, full)
             touched[d.name] = d.numel
             if fault is not None:

@@ -22,23 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nemo_dcr.capture.delta import SparseDelta
-from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.kernels.inplace import write_bits
+from nemo_dcr.types import CARRIER_NP, SparseDelta, int_view
 
 BACKENDS = ("device", "pinned", "file")
-_TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-_NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32}
 
 
 class BaselineError(RuntimeError):
     """Misuse of the baseline: unknown param, unknown version, shape or dtype change."""
 
 
-def int_view(t: torch.Tensor) -> torch.Tensor:
-    """Flat same-width integer view of a contiguous tensor (shares memory, any device)."""
-    if not t.is_contiguous():
-        raise BaselineError("params must be contiguous to be viewed as integers")
-    return t.detach().reshape(-1).view(_TORCH_INT[spec_of(t.dtype).width])
 
 
 @dataclass
@@ -84,7 +77,7 @@ class BaselineStore:
         os.makedirs(self.directory, exist_ok=True)
         fname = re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".bits"
         width = src.element_size()
-        mm = np.memmap(os.path.join(self.directory, fname), dtype=_NP_INT[width], mode="w+",
+        mm = np.memmap(os.path.join(self.directory, fname), dtype=CARRIER_NP[width], mode="w+",
                        shape=(src.numel(),))
         return torch.from_numpy(mm)
 
@@ -137,9 +130,7 @@ class BaselineStore:
         for d in deltas:
             base = self.bits(d.name)
             if d.nnz:
-                pos = torch.from_numpy(np.ascontiguousarray(d.positions)).to(base.device)
-                new = np.ascontiguousarray(d.new_bits).view(_NP_INT[d.new_bits.itemsize])
-                base[pos] = torch.from_numpy(new).to(base.device)
+                write_bits(base, d.positions, d.new_bits)
             written += d.nnz
         for v in [v for v in self._pending if v < version]:
             del self._pending[v]

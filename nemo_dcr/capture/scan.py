@@ -18,9 +18,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from nemo_dcr.capture.baseline import BaselineStore, int_view
-from nemo_dcr.capture.delta import SparseDelta
-from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.capture.baseline import BaselineStore
+from nemo_dcr.kernels.scan import changed_positions
+from nemo_dcr.types import SparseDelta, int_view, spec_of
 
 DEFAULT_CHUNK = 1 << 24
 
@@ -65,8 +65,6 @@ def capture(
 def scan_param(name: str, param: torch.Tensor, base: torch.Tensor, lo: int, hi: int,
                chunk: int = DEFAULT_CHUNK) -> SparseDelta:
     """Compare ``param.flat[lo:hi]`` with ``base[lo:hi]`` (integer views) in chunks."""
-    from nemo_dcr.kernels.scan import changed_positions  # here: kernels -> codec -> capture at import
-
     spec = spec_of(param.dtype)
     cur = int_view(param)
     pos_parts, new_parts, old_parts = [], [], []
@@ -92,18 +90,3 @@ def _cat(parts: list[torch.Tensor], dtype) -> np.ndarray:
     arr = torch.cat(parts).numpy()
     return arr.astype(np.int64) if dtype is np.int64 else arr.view(dtype)
 
-
-def apply_deltas(tensors: Mapping[str, torch.Tensor], deltas: list[SparseDelta]) -> int:
-    """Scatter deltas into CPU tensors through integer views (test and reference helper).
-
-    Returns:
-        Elements written.
-    """
-    n = 0
-    for d in deltas:
-        view = int_view(tensors[d.name])
-        pos = torch.from_numpy(np.ascontiguousarray(d.positions))
-        signed = {1: np.uint8, 2: np.int16, 4: np.int32}[d.new_bits.itemsize]
-        view[pos] = torch.from_numpy(np.ascontiguousarray(d.new_bits).view(signed))
-        n += d.nnz
-    return n

@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import zstandard
 
-from .dtypes import DTYPES
-from .frames import decompress_exact
+from ..types import DTYPES
 from .errors import (
     BadMagicError,
     HeaderTooLargeError,
@@ -19,6 +18,7 @@ from .errors import (
     UnknownFlagsError,
     UnsupportedVersionError,
 )
+from .frames import decompress_exact
 
 MAGIC = b"NDCR"
 FORMAT_VERSION = 1

@@ -14,9 +14,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..capture.delta import SparseDelta
+from ..types import SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
-from .dtypes import UnsupportedDtypeError, bits_view, spec_of
 from .errors import (
     AuthenticationError,
     BaseChecksumMismatchError,
@@ -29,7 +28,15 @@ from .errors import (
     TrailingBytesError,
     TruncatedPayloadError,
 )
-from .header import FLAG_AUTH, PREAMBLE, PayloadHeader, RecordInfo, pack_preamble_and_header, parse_header, read_preamble
+from .header import (
+    FLAG_AUTH,
+    PREAMBLE,
+    PayloadHeader,
+    RecordInfo,
+    pack_preamble_and_header,
+    parse_header,
+    read_preamble,
+)
 from .records import decode_record, encode_record
 
 MAC_BYTES = 32

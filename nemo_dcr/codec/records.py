@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..types import DtypeSpec
 from .dcr import decode_dcr, encode_dcr
-from .dtypes import DtypeSpec
 from .errors import MalformedRecordError, UnknownEncodingError
 from .reference import decode_reference, encode_reference
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from .dtypes import DtypeSpec
+from ..types import DtypeSpec
 from .errors import MalformedRecordError, PositionOutOfBoundsError
 from .frames import decompress_exact
+
 
 def pos_width(numel: int) -> int:
     """Bytes per position: 8 when the tensor has more than 2**31 - 1 elements."""

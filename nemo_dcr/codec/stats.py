@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .dtypes import DtypeSpec
-from .keys import fold_steps
+from ..types import DtypeSpec
+from .dcr.keys import fold_steps
 
 # (layer type, pattern) checked in order against canonical names.
 LAYER_TYPES = (

@@ -10,9 +10,8 @@ import tempfile
 from pathlib import Path
 
 from .. import codec
-from ..codec.dtypes import bits_view
 from ..codec.stats import TensorStats, entropy_bits, layer_type, summarize
-from ..codec.dtypes import spec_of
+from ..types import bits_view, spec_of
 from ..verify.checksum import tensor_checksum
 
 ENCODINGS = ("dcr", "reference")

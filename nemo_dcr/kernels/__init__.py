@@ -1,7 +1,7 @@
-"""Device-agnostic kernels (torch and numpy only): capture scan, in-place apply and the ``dcr``
-record coding, producing exactly the bytes of :mod:`nemo_dcr.codec` on any torch device."""
+"""Device-agnostic numeric kernels shared by the stages (torch and numpy only; no codec imports):
+the capture scan and the one in-place write of bits."""
 
-from .scan import apply_changes, scan_changes
-from .torch_codec import decode_dcr_torch, encode_dcr_torch
+from .inplace import read_bits, write_bits
+from .scan import changed_positions, scan_changes
 
-__all__ = ["scan_changes", "apply_changes", "encode_dcr_torch", "decode_dcr_torch"]
+__all__ = ["changed_positions", "read_bits", "scan_changes", "write_bits"]

@@ -1,23 +1,13 @@
-"""Capture scan and in-place apply on the tensor's own device (integer views, chunked)."""
+"""Capture scan on the tensor's own device (integer views, chunked)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ..codec.dtypes import spec_of
+from ..types import int_view
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 DEFAULT_CHUNK = 1 << 26
-
-
-def int_bits(t: torch.Tensor) -> torch.Tensor:
-    """Flat same-width integer view of a contiguous tensor (shares memory, any device)."""
-    if not t.is_contiguous():
-        raise ValueError("kernels need contiguous tensors (a view would silently copy)")
-    if t.dtype in _INT.values():
-        return t.detach().reshape(-1)
-    return t.detach().reshape(-1).view(_INT[spec_of(t.dtype).width])
 
 
 def changed_positions(cur: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -37,7 +27,7 @@ def scan_changes(current: torch.Tensor, base: torch.Tensor, chunk: int = DEFAULT
     Compares integer views chunk by chunk (scratch memory bounded by ``chunk`` elements);
     nothing moves to the host.
     """
-    cur, old = int_bits(current), int_bits(base)
+    cur, old = int_view(current), int_view(base)
     if cur.shape != old.shape or cur.dtype != old.dtype or cur.device != old.device:
         raise ValueError(f"scan needs same-size tensors on one device, got {cur.dtype}{tuple(cur.shape)} "
                          f"on {cur.device} vs {old.dtype}{tuple(old.shape)} on {old.device}")
@@ -48,8 +38,3 @@ def scan_changes(current: torch.Tensor, base: torch.Tensor, chunk: int = DEFAULT
     positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64, device=cur.device)
     return positions, cur[positions]
 
-
-def apply_changes(target: torch.Tensor, positions: torch.Tensor, new_bits: torch.Tensor) -> None:
-    """Write ``new_bits`` at ``positions`` into ``target`` in place (integer view index_put)."""
-    view = int_bits(target)
-    view.index_put_((positions.to(view.device),), new_bits.to(view.device).view(view.dtype))

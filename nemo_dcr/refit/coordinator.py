@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Sequence
 
 from nemo_dcr.apply.placement import RankPlacement
-from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec import Identity
 from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
+from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import MASK64
 from nemo_dcr.verify.report import VerifyPolicy, VerifyReport, compare
 

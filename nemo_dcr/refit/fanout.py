@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from nemo_dcr.apply.placement import RankPlacement
-from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec import Identity, encode_deltas
+from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
 
 from .mirror import SenderMirror

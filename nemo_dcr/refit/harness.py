@@ -15,9 +15,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.capture import BaselineStore, capture
-from nemo_dcr.capture.baseline import int_view
-from nemo_dcr.capture.delta import SparseDelta
-from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.types import SparseDelta, int_view, spec_of
 from nemo_dcr.verify.report import ShardChecksums
 
 

@@ -14,20 +14,15 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from nemo_dcr.capture.baseline import int_view
-from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec import Identity, encode_deltas
-from nemo_dcr.codec.dtypes import DTYPES
+from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view
 from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
 
 from .payloads import buckets
 
-_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32}
-
 
 def _as_tensor(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    spec = DTYPES[dtype]
-    return torch.from_numpy(bits.view(_SIGNED[spec.width])).view(spec.torch_dtype).reshape(shape)
+    return carrier(bits).view(DTYPES[dtype].torch_dtype).reshape(shape)
 
 
 class SenderMirror:

@@ -14,10 +14,8 @@ import numpy as np
 import torch
 
 from nemo_dcr.apply.transaction import RESYNC_BASE_VERSION
-from nemo_dcr.capture.baseline import int_view
-from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec import Identity, encode_deltas
-from nemo_dcr.codec.dtypes import spec_of
+from nemo_dcr.types import SparseDelta, int_view, spec_of
 
 
 def dense_delta(name: str, t: torch.Tensor) -> SparseDelta:

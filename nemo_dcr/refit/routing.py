@@ -16,8 +16,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from nemo_dcr.capture.delta import SparseDelta
-from nemo_dcr.codec.dtypes import DTYPES
+from nemo_dcr.types import DTYPES, SparseDelta
 
 _LEN = struct.Struct("<Q")
 

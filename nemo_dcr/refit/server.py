@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from nemo_dcr.apply import ApplyResult
-from nemo_dcr.capture.baseline import int_view
 from nemo_dcr.transport import Envelope, MessageKind, Transport
+from nemo_dcr.types import int_view
 
 from .messages import QUERY_DIGESTS, QUERY_FULL, EngineReply
 

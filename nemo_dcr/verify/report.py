@@ -13,7 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
-from nemo_dcr.capture.delta import SparseDelta
+from nemo_dcr.types import SparseDelta
 
 from .checksum import MASK64, hash_sum
 

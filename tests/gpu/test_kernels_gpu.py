@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.codec.dcr import encode_dcr
-from nemo_dcr.codec.dtypes import DTYPES, bits_view, spec_of
-from nemo_dcr.kernels import apply_changes, decode_dcr_torch, encode_dcr_torch, scan_changes
+from nemo_dcr.codec.dcr import decode_dcr_torch, encode_dcr, encode_dcr_torch
+from nemo_dcr.kernels import scan_changes, write_bits
+from nemo_dcr.types import DTYPES, bits_view, spec_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,5 +30,5 @@ def test_gpu_bytes_and_apply_exact(dtype):
     spec = DTYPES[spec_of(dtype).name]
     assert body == encode_dcr(bits_view(w_h), p_h, bits_view(t_h)[p_h], spec)
     out = w.clone()
-    apply_changes(out, *decode_dcr_torch(body, w))
+    write_bits(out, *decode_dcr_torch(body, w))
     assert np.array_equal(bits_view(out.cpu()), bits_view(t_h))

@@ -26,9 +26,9 @@ def test_vllm_worker_applies_real_delta(real_checkpoints):
     from nemo_dcr.apply.placement import assign_primary, placement_from_json, placement_to_json
     from nemo_dcr.checkpoint import load_checkpoint
     from nemo_dcr.codec import Identity, diff_tensors
-    from nemo_dcr.codec.dtypes import bits_view
     from nemo_dcr.refit.fanout import Fanout
     from nemo_dcr.refit.mirror import SenderMirror
+    from nemo_dcr.types import bits_view
     from nemo_dcr.verify.checksum import tensor_checksum
 
     base, target = (load_checkpoint(real_checkpoints[i]) for i in (0, 1))

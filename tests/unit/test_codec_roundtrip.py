@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.codec import apply, decode, diff_tensors, encode, encode_deltas, inspect
 from nemo_dcr.codec.errors import AuthenticationError, BaseChecksumMismatchError
 from nemo_dcr.codec.payload import Identity
+from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import tensor_checksum
 
 # name -> (torch dtype, bits per element, exponent shift, exponent bits), from the spec (4.4)

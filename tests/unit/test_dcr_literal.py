@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.codec.dcr import decode_dcr, encode_dcr, encode_dcr_per_group
-from nemo_dcr.codec.dcr_decode import decode_dcr_per_group
-from nemo_dcr.codec.dtypes import bits_view, spec_of
+from nemo_dcr.codec.dcr import decode_dcr, decode_dcr_per_group, decode_dcr_torch, encode_dcr, encode_dcr_per_group
 from nemo_dcr.codec.errors import MalformedRecordError
-from nemo_dcr.kernels import decode_dcr_torch
+from nemo_dcr.types import bits_view, spec_of
 
 SHIFT, EBITS, NBITS = 7, 8, 16  # bf16: 7 mantissa bits, 8 exponent bits
 
@@ -120,7 +118,7 @@ def test_encoder_codes_tiny_weights_as_literals_and_round_trips():
     p2, n2 = decode_dcr(body, base, spec, "w")
     assert np.array_equal(p2, pos) and np.array_equal(n2, new[pos])
     # the same tensors coded with steps only (literal groups switched off) are larger
-    import nemo_dcr.kernels.dcr_encode as enc
+    import nemo_dcr.codec.dcr.encode as enc
 
     saved = enc.literal_choice
     enc.literal_choice = lambda *a: np.zeros(len(a[0]), bool)

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.apply import TensorEngine
-from nemo_dcr.capture import SparseDelta, int_view
 from nemo_dcr.config import DcrConfig
 from nemo_dcr.hook import DeltaRefit, merge_pieces
+from nemo_dcr.types import SparseDelta, int_view
 
 
 class FakeShard:

@@ -10,10 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.codec.dcr import decode_dcr, encode_dcr, encode_dcr_per_group
-from nemo_dcr.codec.dcr_decode import decode_dcr_per_group
-from nemo_dcr.codec.dtypes import DTYPES, bits_view, tensor_from_bits
-from nemo_dcr.kernels import apply_changes, decode_dcr_torch, encode_dcr_torch, scan_changes
+from nemo_dcr.codec.dcr import (
+    decode_dcr,
+    decode_dcr_per_group,
+    decode_dcr_torch,
+    encode_dcr,
+    encode_dcr_per_group,
+    encode_dcr_torch,
+)
+from nemo_dcr.kernels import scan_changes, write_bits
+from nemo_dcr.types import DTYPES, bits_view, tensor_from_bits
 
 
 def _case(rng, spec, n, density, mode):
@@ -77,7 +83,7 @@ def test_real_looking_bf16_delta():
     spec = DTYPES["bf16"]
     _check(spec, bits_view(w), pos.numpy(), bits_view(target)[pos.numpy()])
     out = w.clone()
-    apply_changes(out, *decode_dcr_torch(encode_dcr_torch(w, pos, new), w))
+    write_bits(out, *decode_dcr_torch(encode_dcr_torch(w, pos, new), w))
     assert torch.equal(out.view(torch.int16), target.view(torch.int16))
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nemo_dcr.adapters.nemo_rl import SELECTOR, DcrCheckpointEngine, DcrWeightSynchronizer
-from nemo_dcr.capture import int_view
+from nemo_dcr.types import int_view
 
 
 class NemoRlStandInCaller:

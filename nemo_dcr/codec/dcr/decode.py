@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codec import bitio
-from ..codec.dcr_decode import _read_group, _read_groups
-from ..codec.dtypes import DtypeSpec
-from ..codec.errors import MalformedRecordError
+from ...types import DtypeSpec
+from .. import bitio
+from ..errors import MalformedRecordError
+from .index import DecoderIndexNp
 from .rice import seg_sum, set_rice_k
+from .table import read_group, read_groups
+from .xp import NumpyOps
 
 _LIMIT = 1 << 62  # every valid Rice value is below this (gaps < numel < 2**62, steps < 2**32)
 
@@ -110,12 +112,12 @@ def _members(ops, vals, gi, coded, comp, cnt, uni, name, what):
 def decode_body(ops, body, base, spec: DtypeSpec, name: str, make_index):
     """Positions (int64, increasing) and new bits (unsigned, int64) of a ``dcr`` record."""
     reader = bitio.ByteReader(body, name)
-    lo, widths = _read_groups(reader, spec, name)
+    lo, widths = read_groups(reader, spec, name)
     index = make_index(base, spec)
     first = np.concatenate([[0], np.cumsum(np.asarray(index.hist, np.int64))])
     starts = first[lo + np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)]
     sizes = np.diff(starts)
-    grps = [_read_group(reader, int(sizes[g]), g, spec, name) for g in range(len(widths))]
+    grps = [read_group(reader, int(sizes[g]), g, spec, name) for g in range(len(widths))]
     n, n_neg, m_off, n_nz, k_val, e_ref, k_item = (np.array([getattr(x, a) for x in grps], np.int64) for a in
                                                    ("n", "n_neg", "m_off", "n_nz", "k_val", "e_ref", "k_item"))
     lit = np.array([x.lit for x in grps], bool)
@@ -183,3 +185,14 @@ def apply_steps(old, d, spec: DtypeSpec):
     k = (key + s) & ones
     neg_new = (k & sign) == 0
     return k ^ (neg_new * ones) ^ (~neg_new * sign)
+
+
+def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (int64, increasing) and new bits of a ``dcr`` record; validates, writes nothing.
+
+    Vectorized over groups : one blocked pass over the base, then
+    whole-array work proportional to the changes.
+    """
+
+    pos, new = decode_body(NumpyOps(), body, base_bits, spec, name, DecoderIndexNp)
+    return pos, new.astype(spec.uint)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codec import bitio
+from .. import bitio
+from .groups import set_rice_k as _one_set_rice_k
 
 MAX_K = bitio.MAX_K
 _EXACT = 1 << 53
@@ -22,12 +23,10 @@ def varints(values) -> bytes:
 
 
 def set_rice_k(m: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """:func:`nemo_dcr.codec.dcr.set_rice_k` for arrays (host int64); 0 where ``m`` is 0."""
+    """:func:`nemo_dcr.codec.dcr.groups.set_rice_k` for arrays (host int64); 0 where ``m`` is 0."""
     m, size = np.asarray(m, np.int64), np.asarray(size, np.int64)
     if size.size and int(size.max()) >= 1 << 36:  # products could leave float64's exact range
-        from ..codec.dcr import set_rice_k as one
-
-        return np.array([one(int(a), int(b)) for a, b in zip(m, size)], dtype=np.int64)
+        return np.array([_one_set_rice_k(int(a), int(b)) for a, b in zip(m, size)], dtype=np.int64)
     x = (((size - m) // np.maximum(m, 1)) * 45426) >> 16
     bitlen = np.frexp(x.astype(np.float64))[1].astype(np.int64)  # exact: x < 2**53
     return np.where(m > 0, np.maximum(0, bitlen - 1), 0)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codec.dcr import groups_from_counts
-from ..codec.dtypes import DtypeSpec
+from ...types import DtypeSpec
+from .groups import groups_from_counts
+from .index import encoder_sorted_pos_np
 from .rice import best_k, coded_set, seg_sum, varints
+from .xp import NumpyOps
 
 
 def signed_steps(ops, old, new, spec: DtypeSpec):
@@ -148,3 +150,13 @@ def encode_body(ops, base, positions, new_bits, spec: DtypeSpec, sorted_pos) -> 
         items.append((lit_v[sel], g[sel] * 4 + 1, lit_k[sel]))
     q_len, r_len, packed = _streams(ops, items)
     return _table(lo, widths, n, n_neg, m_off, n_nz, k_val, lit, e_ref, k_lit, q_len, r_len) + packed
+
+
+def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec) -> bytes:
+    """Body of a ``dcr`` record for a non-empty change set.
+
+    Vectorized over groups : one blocked pass over the base for the
+    class ranks, then whole-array work proportional to the changes.
+    """
+
+    return encode_body(NumpyOps(), base_bits, np.asarray(positions, np.int64), new_bits, spec, encoder_sorted_pos_np)

@@ -1,0 +1,180 @@
+"""Shared types of the data path (the leaf of the package: imports only numpy and torch).
+
+* :class:`DtypeSpec` / :data:`DTYPES` / :func:`spec_of`: the single table of dtype facts.
+* Integer views: every comparison and every write in nemo_dcr goes through same-width integer
+  views of a tensor's storage, never through float arithmetic (``-0.0 != +0.0``; two NaNs
+  with the same payload are equal).  :func:`int_view` (torch, any device),
+  :func:`bits_view` (numpy, unsigned, CPU) and :func:`carrier` (numpy unsigned bits -> a torch
+  tensor of the same bits) are the only places that pick an integer type for a width.
+* :class:`SparseDelta`: the unit that flows through the data path, the changed elements of one
+  tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DtypeSpec:
+    """Facts about one element type.
+
+    Attributes:
+        name: wire name (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``).
+        torch_dtype: the torch dtype.
+        width: bytes per element (1, 2 or 4).
+        exp_shift: bit position of the exponent field's lowest bit.
+        exp_bits: width of the exponent field.
+    """
+
+    name: str
+    torch_dtype: torch.dtype
+    width: int
+    exp_shift: int
+    exp_bits: int
+
+    @property
+    def uint(self) -> np.dtype:
+        """Unsigned numpy integer type of the same width."""
+        return np.dtype(UNSIGNED[self.width])
+
+    @property
+    def bits(self) -> int:
+        return 8 * self.width
+
+    @property
+    def sign_mask(self) -> int:
+        return 1 << (self.bits - 1)
+
+    @property
+    def n_exponents(self) -> int:
+        return 1 << self.exp_bits
+
+    def exponent(self, bits: np.ndarray) -> np.ndarray:
+        """Biased exponent field of each element (sign ignored), as uint8/uint16."""
+        e = (bits >> self.exp_shift) & ((1 << self.exp_bits) - 1)
+        return e.astype(np.uint8 if self.exp_bits <= 8 else np.uint16)
+
+
+DTYPES: dict[str, DtypeSpec] = {
+    s.name: s
+    for s in (
+        DtypeSpec("bf16", torch.bfloat16, 2, 7, 8),
+        DtypeSpec("fp16", torch.float16, 2, 10, 5),
+        DtypeSpec("fp32", torch.float32, 4, 23, 8),
+        DtypeSpec("fp8_e4m3", torch.float8_e4m3fn, 1, 3, 4),
+        DtypeSpec("fp8_e5m2", torch.float8_e5m2, 1, 2, 5),
+    )
+}
+_BY_TORCH = {s.torch_dtype: s for s in DTYPES.values()}
+
+UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+"""Width in bytes -> unsigned numpy type (how bits are held in numpy)."""
+CARRIER_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+"""Width in bytes -> the numpy type whose torch counterpart exists (torch has no uint16/32)."""
+CARRIER_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Width in bytes -> the torch integer type of integer views."""
+
+
+class UnsupportedDtypeError(TypeError):
+    """A tensor's dtype has no entry in :data:`DTYPES`."""
+
+
+def spec_of(dtype: torch.dtype | str) -> DtypeSpec:
+    """Look up the :class:`DtypeSpec` for a torch dtype or a wire name."""
+    spec = DTYPES.get(dtype) if isinstance(dtype, str) else _BY_TORCH.get(dtype)
+    if spec is None:
+        known = ", ".join(sorted(DTYPES))
+        raise UnsupportedDtypeError(f"unsupported dtype {dtype!r}; supported: {known}")
+    return spec
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat same-width integer view of a contiguous tensor (shares memory, any device).
+
+    Integer tensors come back flattened as they are.
+
+    Raises:
+        ValueError: the tensor is not contiguous (a view of it would silently copy).
+    """
+    if not t.is_contiguous():
+        raise ValueError("tensors must be contiguous to be viewed as integers (a view would copy)")
+    flat = t.detach().reshape(-1)
+    if t.dtype in CARRIER_TORCH.values():
+        return flat
+    return flat.view(CARRIER_TORCH[spec_of(t.dtype).width])
+
+
+def bits_view(t: torch.Tensor) -> np.ndarray:
+    """Flat unsigned-integer numpy view sharing memory with a contiguous CPU tensor.
+
+    Writing into the returned array writes into ``t``.
+    """
+    spec = spec_of(t.dtype)
+    if t.device.type != "cpu":
+        raise ValueError(f"bits_view needs a CPU tensor, got device {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("bits_view needs a contiguous tensor (a view would silently copy)")
+    return t.view(CARRIER_TORCH[spec.width]).reshape(-1).numpy().view(spec.uint)
+
+
+def host_bits(t: torch.Tensor) -> np.ndarray:
+    """Unsigned numpy bits of a contiguous tensor on any device (a copy unless on the CPU)."""
+    return int_view(t).cpu().numpy().view(spec_of(t.dtype).uint)
+
+
+def carrier(bits: np.ndarray) -> torch.Tensor:
+    """A torch integer tensor holding the same bits as unsigned numpy ``bits`` (shares memory)."""
+    arr = np.ascontiguousarray(bits)
+    return torch.from_numpy(arr.view(CARRIER_NP[arr.itemsize]))
+
+
+def tensor_from_bits(bits: np.ndarray, spec: DtypeSpec, shape) -> torch.Tensor:
+    """Build a tensor of ``spec``'s dtype from its raw bits (copies)."""
+    arr = np.ascontiguousarray(bits, dtype=spec.uint).copy()
+    return carrier(arr).view(spec.torch_dtype).reshape(tuple(shape))
+
+
+@dataclass(frozen=True)
+class SparseDelta:
+    """Changed elements of one tensor, in some index space (megatron-local or canonical).
+
+    Attributes:
+        name: tensor name in that index space.
+        dtype: wire dtype name (see :data:`DTYPES`).
+        shape: shape of the whole tensor the positions index into.
+        positions: int64, strictly increasing flat indices of changed elements.
+        new_bits: unsigned integer bits (width of ``dtype``) of the new values, same length.
+        old_bits: the bits being replaced, same length, when known (the sender knows them
+            from its baseline; the receiver reads them before applying).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    positions: np.ndarray
+    new_bits: np.ndarray
+    old_bits: np.ndarray | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nnz(self) -> int:
+        return int(self.positions.size)
+
+    @property
+    def density(self) -> float:
+        return self.nnz / max(self.numel, 1)
+
+    def select(self, mask: np.ndarray) -> "SparseDelta":
+        """The same delta restricted to the elements where ``mask`` is true."""
+        old = None if self.old_bits is None else self.old_bits[mask]
+        return SparseDelta(self.name, self.dtype, self.shape, self.positions[mask], self.new_bits[mask], old)
