@@ -6,14 +6,14 @@ Usage:
 RUN_DIR holds real RL step checkpoints ``step_0 .. step_K`` (``nemo-dcr make-deltas --steps 2
 --out RUN_DIR`` writes them; generated here when missing).  Two processes on this machine: a
 trainer process (rank 0) and an engine process (rank 1, a transformers ``LlamaForCausalLM``
-loaded from ``step_A`` in bf16, wrapped in :class:`nemo_dcr.adapters.hf_engine.HFEngine`),
+loaded from ``step_A`` in bf16, wrapped in :class:`nemo_dcr.integrations.hf.engine.HFEngine`),
 joined by a ``ProcessGroupGloo`` over loopback and :class:`nemo_dcr.transport.DistTransport`.
 
 The trainer alternates its live params between ``step_A`` and ``step_B`` (real densities) and
 after every change runs, back to back:
 
 * a **delta refit**: ``capture`` against the committed baseline, identity remap (HF layout),
-  then :meth:`nemo_dcr.refit.coordinator.RefitSender.refit` (owner routing, mirror encode,
+  then :meth:`nemo_dcr.refit.sender.RefitSender.refit` (owner routing, mirror encode,
   send, engine transaction, ACK, checksum verification);
 * a **dense refit**: every tensor's raw bf16 bytes (``MessageKind.DENSE``) through the same
   transport, copied into the engine's live params under its write guard; its ``verify`` is a
@@ -49,7 +49,7 @@ from nemo_dcr.types import int_view
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.checkpoint import load_checkpoint
 from nemo_dcr.types import spec_of
-from nemo_dcr.refit.coordinator import PhaseClock, RefitConfig, RefitSender
+from nemo_dcr.refit.sender import PhaseClock, RefitConfig, RefitSender
 from nemo_dcr.refit.group import LocalGroup
 from nemo_dcr.refit.messages import QUERY_DIGESTS, EngineReply
 from nemo_dcr.refit.mirror import SenderMirror
@@ -141,7 +141,7 @@ def engine_main(workdir: str, step_a: str) -> None:
     """Engine rank: serve delta and dense refits until STOP; write the engine's timings."""
     from transformers import AutoModelForCausalLM
 
-    from nemo_dcr.adapters.hf_engine import HFEngine
+    from nemo_dcr.integrations.hf.engine import HFEngine
     from nemo_dcr.refit.server import EngineServer
 
     torch.set_num_threads(1)
@@ -311,7 +311,7 @@ def table(summary: dict) -> str:
 def step_dirs(run: Path, steps: int) -> list[Path]:
     """``step_0 .. step_K`` of ``run``; generated with ``make_deltas`` when missing."""
     if not (run / "step_1").is_dir():
-        from nemo_dcr.adapters.rl_deltas import make_deltas
+        from nemo_dcr.demo.task import make_deltas
 
         make_deltas(run, steps, 1e-6)
     return sorted(run.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from nemo_dcr.adapters.megatron_memory import AllocationTracker
+from nemo_dcr.integrations.megatron.memory import AllocationTracker
 from nemo_dcr.capture import BaselineStore, capture
 from nemo_dcr.layout import ModelDims, ParallelLayout, build_plan
 

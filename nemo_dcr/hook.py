@@ -117,7 +117,7 @@ class DeltaRefit:
         shard: this rank's :class:`TrainerShard`.
         engine: the engine on ``engine_rank`` (an object with ``tensors``, ``version``,
             ``apply(parts)``, ``checksums(full)`` and ``engine.guard``, e.g.
-            :class:`nemo_dcr.adapters.hf_engine.HFEngine`); None on other ranks.
+            :class:`nemo_dcr.integrations.hf.engine.HFEngine`); None on other ranks.
         engine_rank: global rank hosting the engine.
         key: HMAC key of the payloads (read from ``cfg.key_file`` when None).
     """
@@ -147,11 +147,11 @@ class DeltaRefit:
             model: this rank's Megatron model chunks (``build_gpt_model`` output).
             optimizer: when given, :meth:`attach` runs :meth:`step` after each ``step()``.
             engine: the engine on ``engine_rank``.
-            preset: the :class:`~nemo_dcr.adapters.megatron.ModelPreset` of the model.
+            preset: the :class:`~nemo_dcr.integrations.megatron.build.ModelPreset` of the model.
             engine_rank: global rank hosting the engine.
             key: HMAC key (default: ``cfg.key_file``).
         """
-        from nemo_dcr.adapters.grpo_trainer import MegatronShard
+        from nemo_dcr.demo.trainer import MegatronShard
 
         refit = cls(cfg, MegatronShard(model, preset, engine_rank), engine, engine_rank, key)
         if optimizer is not None:

@@ -20,14 +20,14 @@ def real_checkpoints(tmp_path_factory):
     """``[step_0, step_1, step_2]`` directories, each with ``model.safetensors`` + ``meta.json``."""
     import torch
 
-    from nemo_dcr.adapters import hf
+    from nemo_dcr.integrations.hf import model as hf
 
     try:
         hf.embedded_model_dir()
     except hf.EmbeddedModelMissingError as exc:
         pytest.skip(f"real checkpoints need the embedded model: {exc}")
     pytest.importorskip("transformers", reason="real checkpoints need transformers")
-    from nemo_dcr.adapters.rl_deltas import make_deltas
+    from nemo_dcr.demo.task import make_deltas
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,6 +1,6 @@
 """An engine over named tensors: version state, transactional apply, checksums, a read guard.
 
-Real engines (``nemo_dcr.adapters.hf_engine``, the vLLM worker extension) hand their live
+Real engines (``nemo_dcr.integrations.hf.engine``, the vLLM worker extension) hand their live
 parameters to a :class:`TensorEngine` and wrap their generate call in :meth:`serving`.
 """
 

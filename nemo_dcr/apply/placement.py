@@ -20,8 +20,8 @@ Worked example (TP=2, rank 1, ``q_proj`` [8, 4], ``k_proj``/``v_proj`` [4, 4], `
 by running the engine's own ``load_weights`` with every param's loader replaced by a recorder,
 so shard ids come from the engine's ``stacked_params_mapping`` / expert mapping, not from a copy.
 Everything here is framework-free (torch and numpy); the vLLM specifics are in
-``nemo_dcr.adapters.vllm_worker`` and a CPU stand-in with the same loader contract is
-``nemo_dcr.adapters.vllm_standin``.
+``nemo_dcr.integrations.vllm.worker`` and a CPU stand-in with the same loader contract is
+``tests.standins.vllm_standin``.
 """
 
 from __future__ import annotations

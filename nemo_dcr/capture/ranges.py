@@ -9,7 +9,7 @@ Two sources of ranges:
 
 * Megatron's distributed optimizer (``DistributedDataParallel`` with
   ``use_distributed_optimizer=True``): each DP rank owns a contiguous slice of every bucket of
-  the flat param buffer; :func:`nemo_dcr.adapters.megatron_ranges.ranges_from_ddp` intersects
+  the flat param buffer; :func:`nemo_dcr.integrations.megatron.ddp.ranges_from_ddp` intersects
   each param's ``param_index_map`` interval with that slice.  Those ranks update exactly that
   slice, so capture reads params they wrote themselves, before the param all-gather.
 * Without it (CPU tests, plain DDP), :func:`split_range` splits each param evenly and

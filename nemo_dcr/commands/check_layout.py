@@ -1,7 +1,7 @@
 """``nemo-dcr check-layout``: preflight a parallel layout before a big job.
 
 Launches its own gloo processes on CPU (``torchrun`` running
-:mod:`nemo_dcr.adapters.megatron_check`), builds the megatron-core model at the requested
+:mod:`nemo_dcr.integrations.megatron.check`), builds the megatron-core model at the requested
 layout, runs a few optimizer steps (real AdamW where megatron-core can train on CPU, Adam-like
 updates of the fp32 masters for MoE/MLA and for virtual pipeline, whose check needs no
 pipeline forward), and reports whether the sparse remap of every
@@ -48,7 +48,7 @@ def register(subparsers) -> None:
 
 def _validate(args) -> int:
     """World size after checking the layout against the model; raises LayoutError."""
-    from nemo_dcr.adapters import megatron as am
+    from nemo_dcr.integrations.megatron import build as am
     from nemo_dcr.layout import LayoutError, ParallelLayout
 
     preset = am.PRESETS[MODELS[args.model]]
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         out = os.path.join(tmp, "result.json")
         cmd = _command(args, world, out)
         if args.model == "smollm2":
-            from nemo_dcr.adapters.megatron_hf import save_smollm2_state
+            from nemo_dcr.integrations.megatron.convert import save_smollm2_state
 
             save_smollm2_state(os.path.join(tmp, "hf_state.pt"))
             cmd += ["--hf-state", os.path.join(tmp, "hf_state.pt")]
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _command(args, world: int, out: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-port", str(_free_port()), "-m", "nemo_dcr.adapters.megatron_check",
+           "--master-port", str(_free_port()), "-m", "nemo_dcr.integrations.megatron.check",
            "--model", MODELS[args.model], "--tp", str(args.tp), "--pp", str(args.pp),
            "--ep", str(args.ep), "--vpp", str(args.vpp), "--steps", str(args.steps),
            "--out", out]

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "grpo_smollm2_cpu.yaml"
-WORKER = "nemo_dcr.adapters.grpo_loop"
+WORKER = "nemo_dcr.demo.grpo"
 
 
 def register(subparsers) -> None:

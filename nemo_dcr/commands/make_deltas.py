@@ -5,7 +5,7 @@ Example::
     nemo-dcr make-deltas --steps 3 --lr 1e-6 --out /tmp/deltas
 
 writes ``/tmp/deltas/step_0 .. step_3`` (bf16 HF checkpoints, ``meta.json`` each); see
-:mod:`nemo_dcr.adapters.rl_deltas` for the objective.
+:mod:`nemo_dcr.demo.task` for the objective.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run :func:`nemo_dcr.adapters.rl_deltas.make_deltas` with the parsed options."""
+    """Run :func:`nemo_dcr.demo.task.make_deltas` with the parsed options."""
     import torch
 
-    from nemo_dcr.adapters.rl_deltas import make_deltas
+    from nemo_dcr.demo.task import make_deltas
 
     if args.steps < 0:
         raise SystemExit("--steps must be >= 0")

@@ -1,7 +1,7 @@
 """Chaos run: trainer ranks and an engine rank as separate processes (gloo), faults injected at
 random refits, every refit checked against an independent dense export (sha256 of bits).
 
-The trainer is :class:`nemo_dcr.refit.harness.ShardTrainer` (row shards, fp32-master AdamW),
+The trainer is :class:`tests.standins.shard_trainer.ShardTrainer` (row shards, fp32-master AdamW),
 documented in docs/refit.md as the smaller stand-in for Megatron shards.  Every process draws
 the same fault schedule from the seed, so the engine knows on which version to crash.
 
@@ -146,7 +146,7 @@ def _engine_digests(sender) -> dict[str, str]:
 
 
 def _new_sender(cfg: ChaosConfig, rank: int, transport):
-    from nemo_dcr.refit.coordinator import RefitConfig, RefitSender
+    from nemo_dcr.refit.sender import RefitConfig, RefitSender
     from nemo_dcr.refit.group import DistGroup
     from nemo_dcr.refit.mirror import SenderMirror
     from nemo_dcr.refit.routing import assign_owners
@@ -180,7 +180,7 @@ def _one_refit(cfg, i, kind, rank, trainer, sender, transport, checkpoints):
 
 def trainer_main(cfg: ChaosConfig, rank: int) -> None:
     """Trainer rank: attach, then ``cfg.refits`` refits with the scheduled faults."""
-    from nemo_dcr.refit.harness import ShardTrainer
+    from tests.standins.shard_trainer import ShardTrainer
     from nemo_dcr.transport import Envelope, MessageKind
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """Processes of the routing test: one trainer rank and two engine ranks (TP=2 stand-in engine).
 
 The engine ranks hold the vLLM-style fused, TP-sharded params of
-``nemo_dcr.adapters.vllm_standin`` (a CPU stand-in, not vLLM); both sides derive the same
+``tests.standins.vllm_standin`` (a CPU stand-in, not vLLM); both sides derive the same
 placement by probing the stand-in's loaders.  Each engine rank records the records it received.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.adapters.vllm_standin import StandinDims, StandinModel, canonical_shapes
+from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
 
 KEY = b"routing-test-key-0123456789abcdef"
@@ -97,9 +97,9 @@ def _drop_first(envs):
 
 def trainer_main(workdir: str, refits: int) -> None:
     """Attach (full resync through the routes), ``refits`` delta refits, one with a lost part."""
-    from nemo_dcr.refit.coordinator import RefitConfig, RefitSender
+    from nemo_dcr.refit.sender import RefitConfig, RefitSender
     from nemo_dcr.refit.group import LocalGroup
-    from nemo_dcr.refit.harness import ShardTrainer
+    from tests.standins.shard_trainer import ShardTrainer
     from nemo_dcr.refit.mirror import SenderMirror
     from nemo_dcr.transport import Envelope, MessageKind
 

@@ -13,9 +13,9 @@ import json
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.adapters import megatron as am
-from nemo_dcr.adapters.megatron_params import load_hf
-from nemo_dcr.adapters.megatron_train import pipeline_logits
+from nemo_dcr.integrations.megatron import build as am
+from nemo_dcr.integrations.megatron.params import load_hf
+from nemo_dcr.integrations.megatron.train import pipeline_logits
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Capture + sparse layout remap vs the dense export, on real megatron-core shards (gloo).
 
-Each case launches its own torchrun job running :mod:`nemo_dcr.adapters.megatron_check`:
+Each case launches its own torchrun job running :mod:`nemo_dcr.integrations.megatron.check`:
 every rank captures its own DP/TP-replica slice of its shard, remaps the changed elements
 with the layout plan, and rank 0 applies the sparse canonical records to an HF copy and
 compares it bitwise (int16 views) with a dense export of the megatron model.
@@ -43,7 +43,7 @@ def check_result(r: dict) -> None:
 @pytest.mark.parametrize("model,tp,pp,ep,etp,nproc", CASES)
 def test_sparse_remap_equals_dense_export(tmp_path, model, tp, pp, ep, etp, nproc):
     out = tmp_path / "result.json"
-    r = torchrun(["-m", "nemo_dcr.adapters.megatron_check", "--model", model, "--tp", str(tp),
+    r = torchrun(["-m", "nemo_dcr.integrations.megatron.check", "--model", model, "--tp", str(tp),
                   "--pp", str(pp), "--ep", str(ep), "--etp", str(etp), "--steps", "2",
                   "--out", str(out)], nproc, out)
     check_result(r)
@@ -65,7 +65,7 @@ def test_virtual_pipeline_remap_equals_dense_export(tmp_path, extra, stage_layer
     """Every chunk captured and remapped with its own plan; megatron placed the layers the
     plans expect (the worker checks names and layer numbers per chunk)."""
     out = tmp_path / "result.json"
-    r = torchrun(["-m", "nemo_dcr.adapters.megatron_check", "--model", "dense-tiny",
+    r = torchrun(["-m", "nemo_dcr.integrations.megatron.check", "--model", "dense-tiny",
                   "--tp", "2", "--pp", "2", "--vpp", "2", "--steps", "2", "--out", str(out),
                   *extra], 4, out)
     check_result(r)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import routing_worker as w
-from nemo_dcr.adapters.vllm_standin import StandinModel
+from tests.standins.vllm_standin import StandinModel
 
 pytestmark = pytest.mark.distributed
 

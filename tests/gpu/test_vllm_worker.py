@@ -33,7 +33,7 @@ def test_vllm_worker_applies_real_delta(real_checkpoints):
 
     base, target = (load_checkpoint(real_checkpoints[i]) for i in (0, 1))
     llm = vllm.LLM(model=str(real_checkpoints[0]), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3,
-                   worker_extension_cls="nemo_dcr.adapters.vllm_worker.DcrWorkerExtension")
+                   worker_extension_cls="nemo_dcr.integrations.vllm.worker.DcrWorkerExtension")
     shapes = {n: list(t.shape) for n, t in base.items()}
     probed = [placement_from_json(p) for p in llm.collective_rpc("dcr_probe", args=(shapes,))]
     ranks = assign_primary(probed)

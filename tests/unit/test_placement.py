@@ -1,5 +1,5 @@
 """Placement by probing loaders with iota tensors, on the CPU stand-in of vLLM's loader contract
-(``nemo_dcr.adapters.vllm_standin``, not vLLM): the probed map must agree with what the loaders
+(``tests.standins.vllm_standin``, not vLLM): the probed map must agree with what the loaders
 really do to real tensors, cover every canonical element once, and skip vocab padding."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.adapters.vllm_standin import StandinDims, StandinModel, canonical_shapes
+from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 from nemo_dcr.apply.placement import (PlacementError, Runs, assign_primary, check_coverage, probe_model,
                                       probe_tensor, record_loader_calls)
 

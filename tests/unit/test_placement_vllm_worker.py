@@ -1,13 +1,13 @@
 """The vLLM worker extension's code path on CPU, mixed into a stand-in worker whose model is the
-loader-contract stand-in (``nemo_dcr.adapters.vllm_standin``, not vLLM): probe, attach, apply a
+loader-contract stand-in (``tests.standins.vllm_standin``, not vLLM): probe, attach, apply a
 routed delta per TP rank, and sum canonical checksums to the trainer's totals."""
 
 from __future__ import annotations
 
 import torch
 
-from nemo_dcr.adapters.vllm_standin import StandinDims, StandinModel, canonical_shapes
-from nemo_dcr.adapters.vllm_worker import DcrWorkerExtension, set_loader
+from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
+from nemo_dcr.integrations.vllm.worker import DcrWorkerExtension, set_loader
 from nemo_dcr.apply.placement import assign_primary, placement_from_json, placement_to_json
 from nemo_dcr.codec import Identity, diff_tensors
 from nemo_dcr.refit.fanout import Fanout

@@ -2,7 +2,7 @@
 policy-gradient backward pass through the pipeline.
 
 :class:`MegatronShard` implements :class:`nemo_dcr.hook.TrainerShard` for a GPTModel built
-with :func:`nemo_dcr.adapters.megatron.build_gpt_model`: local params, the flat slice each rank
+with :func:`nemo_dcr.integrations.megatron.build.build_gpt_model`: local params, the flat slice each rank
 captures, the layout plan that remaps changed local indices to canonical HF indices, and the
 dense export used for full resyncs and for the independent bit-exactness check.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nemo_dcr.adapters import megatron as am
-from nemo_dcr.adapters.megatron_params import capture_ranges, dense_export, load_hf, local_params
-from nemo_dcr.adapters.megatron_train import MasterAdamW, pipeline_forward_backward
+from nemo_dcr.integrations.megatron import build as am
+from nemo_dcr.integrations.megatron.params import capture_ranges, dense_export, load_hf, local_params
+from nemo_dcr.integrations.megatron.train import MasterAdamW, pipeline_forward_backward
 from nemo_dcr.types import SparseDelta
 
 

@@ -11,7 +11,7 @@ exactly that slice, so capturing it reads values it wrote itself, before the par
 all-gather (immune to ``overlap_param_gather`` staleness).
 
 Not exercised on CPU: megatron's DDP buffers need CUDA.  The CPU tests use
-:func:`nemo_dcr.adapters.megatron_params.capture_ranges` (even split per replica group).
+:func:`nemo_dcr.integrations.megatron.params.capture_ranges` (even split per replica group).
 """
 
 from __future__ import annotations

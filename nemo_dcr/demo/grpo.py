@@ -6,7 +6,7 @@ arithmetic prompts (exact-answer reward).  Each step: rollouts -> group-relative
 policy-gradient step -> :meth:`nemo_dcr.hook.DeltaRefit.step` -> the engine checked bitwise
 against an independent dense export, and a dense refit of the same weights timed::
 
-    torchrun --nproc-per-node 6 -m nemo_dcr.adapters.grpo_loop \
+    torchrun --nproc-per-node 6 -m nemo_dcr.demo.grpo \
         --config configs/grpo_smollm2_cpu.yaml run.steps=3
 
 Rank ``engine.rank`` prints one progress line per step, writes ``telemetry.jsonl`` and
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.adapters.grpo_engine import rl_config, rollout
-from nemo_dcr.adapters.grpo_trainer import build_trainer, policy_gradient_backward
+from nemo_dcr.demo.rollout import rl_config, rollout
+from nemo_dcr.demo.trainer import build_trainer, policy_gradient_backward
 from nemo_dcr.config import load_config, to_yaml
 from nemo_dcr.hook import DeltaRefit
 from nemo_dcr.telemetry import TelemetryWriter, step_record
@@ -49,8 +49,8 @@ def _log(msg: str) -> None:
 
 def prepare(cfg, hf_state: str | None, is_engine: bool):
     """Engine rank: load the embedded model + tokenizer and save the HF state the trainer loads."""
-    from nemo_dcr.adapters.hf import load_embedded_model, load_embedded_tokenizer
-    from nemo_dcr.adapters.hf_engine import HFEngine
+    from nemo_dcr.integrations.hf.model import load_embedded_model, load_embedded_tokenizer
+    from nemo_dcr.integrations.hf.engine import HFEngine
 
     path = hf_state or str(Path(cfg.run.run_dir) / "hf_state.pt")
     engine = tokenizer = None

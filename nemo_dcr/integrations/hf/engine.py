@@ -54,8 +54,8 @@ class HFEngine:
 
     @classmethod
     def from_embedded(cls, **kwargs) -> "HFEngine":
-        """The embedded SmolLM2-135M-Instruct (see :mod:`nemo_dcr.adapters.hf`)."""
-        from nemo_dcr.adapters.hf import load_embedded_model
+        """The embedded SmolLM2-135M-Instruct (see :mod:`nemo_dcr.integrations.hf.model`)."""
+        from nemo_dcr.integrations.hf.model import load_embedded_model
 
         return cls(load_embedded_model(torch.float32), **kwargs)
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from nemo_dcr.adapters.megatron import ModelPreset, padded_vocab
+from nemo_dcr.integrations.megatron.build import ModelPreset, padded_vocab
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")

@@ -2,9 +2,9 @@
 
 Launched by ``nemo-dcr check-layout`` and by ``tests/distributed``::
 
-    torchrun --nproc-per-node 4 -m nemo_dcr.adapters.megatron_check \
+    torchrun --nproc-per-node 4 -m nemo_dcr.integrations.megatron.check \
         --model dense-tiny --tp 2 --pp 2 --steps 2 --out result.json
-    torchrun --nproc-per-node 4 -m nemo_dcr.adapters.megatron_check \
+    torchrun --nproc-per-node 4 -m nemo_dcr.integrations.megatron.check \
         --model dense-tiny --tp 2 --pp 2 --vpp 2 --out result.json
 
 With virtual pipeline (``--vpp > 1``) every rank builds its ``vpp`` model chunks, loads all of
@@ -29,10 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.adapters import megatron as am
-from nemo_dcr.adapters.megatron_memory import AllocationTracker
-from nemo_dcr.adapters.megatron_params import capture_ranges, dense_export, load_hf, local_params
-from nemo_dcr.adapters.megatron_train import MasterAdamW, pipeline_forward_backward
+from nemo_dcr.integrations.megatron import build as am
+from nemo_dcr.integrations.megatron.memory import AllocationTracker
+from nemo_dcr.integrations.megatron.params import capture_ranges, dense_export, load_hf, local_params
+from nemo_dcr.integrations.megatron.train import MasterAdamW, pipeline_forward_backward
 from nemo_dcr.capture import BaselineStore, capture
 from nemo_dcr.types import int_view
 

@@ -1,7 +1,7 @@
 """Rank-aware helpers over a built GPTModel: global names, HF load, dense export, ranges.
 
 ``chunks`` is this rank's list of model chunks (one per virtual pipeline stage), as
-returned by :func:`nemo_dcr.adapters.megatron.build_gpt_model`.
+returned by :func:`nemo_dcr.integrations.megatron.build.build_gpt_model`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.adapters.megatron import ModelPreset, rank_coords
-from nemo_dcr.adapters.megatron_hf import (
+from nemo_dcr.integrations.megatron.build import ModelPreset, rank_coords
+from nemo_dcr.integrations.megatron.convert import (
     hf_to_megatron, megatron_to_hf, merge_shards, shard_of, tp_placement,
 )
 from nemo_dcr.capture.ranges import split_range

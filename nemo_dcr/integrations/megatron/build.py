@@ -6,8 +6,8 @@ initialization, the allgather MoE dispatcher and SequentialMLP experts.  On a GP
 functions build the same modules; only :func:`install_cpu_shim` is skipped.
 
 Related modules:
-    :mod:`nemo_dcr.adapters.megatron_hf`: HF <-> megatron dense conversion (load + export).
-    :mod:`nemo_dcr.adapters.megatron_train`: pipeline forward/backward and the fp32-master step.
+    :mod:`nemo_dcr.integrations.megatron.convert`: HF <-> megatron dense conversion (load + export).
+    :mod:`nemo_dcr.integrations.megatron.train`: pipeline forward/backward and the fp32-master step.
 """
 
 from __future__ import annotations

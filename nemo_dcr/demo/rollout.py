@@ -1,8 +1,8 @@
 """Generation side of the GRPO recipe: rollouts from the transformers engine, rewards, batches.
 
-The engine (:class:`nemo_dcr.adapters.hf_engine.HFEngine`) holds bf16 weights that the refit
+The engine (:class:`nemo_dcr.integrations.hf.engine.HFEngine`) holds bf16 weights that the refit
 hook keeps bit-identical to the trainer's.  Each step samples ``group_size`` answers per
-arithmetic prompt with the chat template (reusing :mod:`nemo_dcr.adapters.rl_deltas`),
+arithmetic prompt with the chat template (reusing :mod:`nemo_dcr.demo.task`),
 scores them with the exact-answer reward, and turns them into a right-padded token batch with
 per-label weights (the group-relative advantage on answer tokens) for the Megatron trainer.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dcr.adapters.rl_deltas import (
+from nemo_dcr.demo.task import (
     RLConfig, exact_reward, group_advantages, make_problems, sample, shaped_reward,
 )
 

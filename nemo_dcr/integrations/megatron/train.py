@@ -14,7 +14,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.adapters.megatron_params import LocalParam
+from nemo_dcr.integrations.megatron.params import LocalParam
 
 
 def _stage_io():

@@ -2,7 +2,7 @@
 
 Usage (driver side)::
 
-    llm = vllm.LLM(model=..., worker_extension_cls="nemo_dcr.adapters.vllm_worker.DcrWorkerExtension")
+    llm = vllm.LLM(model=..., worker_extension_cls="nemo_dcr.integrations.vllm.worker.DcrWorkerExtension")
     probed = llm.collective_rpc("dcr_probe", args=(canonical_shapes,))      # one per TP rank
     ranks = [placement_to_json(p) for p in
              assign_primary([placement_from_json(x) for x in probed])]

@@ -1,0 +1,1 @@
+"""Hugging Face transformers integration: the embedded model and a transformers engine."""

@@ -1,0 +1,1 @@
+"""Megatron-Core integration: model building on CPU/GPU, rank topology, the trainer source, dense reference."""

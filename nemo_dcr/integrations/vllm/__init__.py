@@ -1,0 +1,1 @@
+"""vLLM integration: the worker extension that applies refits in place."""

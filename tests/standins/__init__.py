@@ -1,0 +1,1 @@
+"""Stand-ins for what cannot run in the tests (each named as such, following the real thing)."""
