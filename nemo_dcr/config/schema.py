@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 ENCODINGS = ("dcr", "reference", "raw")
-TRANSPORTS = ("inprocess", "gloo", "nccl", "cuda_ipc", "file")
+TRANSPORTS = ("inprocess", "gloo", "nccl", "store", "cuda_ipc")
 BASELINES = ("device", "pinned", "file")
 ENGINES = ("hf",)
 TASKS = ("arithmetic",)
@@ -46,9 +46,11 @@ class DcrConfig:
     encoding: str = "dcr"
     """Payload encoding: ``dcr`` (baseline-conditioned), ``reference`` (gaps+XOR+zstd), ``raw``."""
     transport: str = "gloo"
-    """How payloads travel: ``inprocess``, ``gloo``, ``nccl``, ``cuda_ipc`` or ``file``."""
+    """How payloads travel between trainer ranks and engines: ``inprocess`` (one process),
+    ``gloo`` / ``nccl`` (torch.distributed point-to-point), ``store`` (files or an object store
+    under ``url``, authenticated with ``key_file``) or ``cuda_ipc`` (same-node GPUs)."""
     url: str | None = None
-    """Destination of the ``file`` transport (a path or fsspec URL); unused otherwise."""
+    """Folder or fsspec URL of the ``store`` transport (required for it)."""
     baseline: str = "device"
     """Where the trainer keeps the engine's bits: ``device``, ``pinned`` (host) or ``file``."""
     baseline_dir: str | None = None
@@ -60,7 +62,10 @@ class DcrConfig:
     full_verify_interval: int = 10
     """Full checksum scan of every tensor every N refits; 0: never (incremental only)."""
     bucket_size_mb: int = 256
-    """Largest chunk of payload sent at once (bounds transport memory), in MiB."""
+    """Payload parts are cut so that the raw changes of one part (position + bits) stay within
+    this many MiB: bounds encode, transfer and decode memory per message."""
+    reply_timeout_s: float = 300.0
+    """Seconds a trainer rank waits for an engine's answer before treating the refit as failed."""
     key_file: str | None = None
     """File with the HMAC key (>= 16 bytes) authenticating payloads; None: no MAC."""
     telemetry_dir: str | None = None
@@ -75,13 +80,17 @@ class DcrConfig:
         _one_of(prefix, "baseline", self.baseline, BASELINES)
         for enc in self.telemetry_encodings:
             _one_of(prefix, "telemetry_encodings[]", enc, ENCODINGS)
-        if self.transport == "file" and not self.url:
-            raise ConfigError(f"{prefix}.url", "the file transport needs a url")
+        if self.transport == "store" and not self.url:
+            raise ConfigError(f"{prefix}.url", "the store transport needs a url")
+        if self.transport == "store" and not self.key_file:
+            raise ConfigError(f"{prefix}.key_file", "the store transport authenticates messages: set a key file")
         if self.baseline == "file" and not self.baseline_dir:
             raise ConfigError(f"{prefix}.baseline_dir", "the file baseline needs a folder")
         for name in ("verify_interval", "full_resync_interval", "full_verify_interval"):
             _at_least(prefix, name, getattr(self, name), 0)
         _at_least(prefix, "bucket_size_mb", self.bucket_size_mb, 1)
+        if not self.reply_timeout_s > 0:
+            raise ConfigError(f"{prefix}.reply_timeout_s", f"must be > 0, got {self.reply_timeout_s!r}")
 
 
 @dataclass

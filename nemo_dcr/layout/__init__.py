@@ -24,6 +24,7 @@ in Megatron names are local to the chunk). See docs/layout.md.
 from nemo_dcr.layout.dims import ModelDims
 from nemo_dcr.layout.families import FAMILIES, Rule
 from nemo_dcr.layout.mappings import MegatronSpec
+from nemo_dcr.layout.models import MODELS, model_dims
 from nemo_dcr.layout.parallel import LayoutError, ParallelLayout, chunk_layers
 from nemo_dcr.layout.plan import LayoutPlan, ParamPlan, build_chunk_plans, build_plan
 from nemo_dcr.layout.shapes import canonical_shapes
@@ -33,6 +34,7 @@ __all__ = [
     "FAMILIES",
     "LayoutError",
     "LayoutPlan",
+    "MODELS",
     "MegatronSpec",
     "ModelDims",
     "ParallelLayout",
@@ -44,4 +46,5 @@ __all__ = [
     "build_plan",
     "canonical_shapes",
     "chunk_layers",
+    "model_dims",
 ]

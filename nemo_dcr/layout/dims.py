@@ -1,4 +1,5 @@
-"""Model dimensions the layout tables need (a small, framework-free mirror of the configs)."""
+"""The one description of a model: what the layout tables, the trainer builder and the engines need
+(a small, framework-free mirror of Megatron-Core's ``TransformerConfig`` and a Hugging Face config)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,19 @@ class ModelDims:
     """MLA rotary q/k head width (HF ``qk_rope_head_dim``)."""
     v_head_dim: int = 0
     """MLA value head width."""
+    moe_router_topk: int = 2
+    """Experts per token (builds the model; the layout does not depend on it)."""
+    rope_theta: float = 10000.0
+    """Rotary base (builds the model and the engine's config; not a layout input)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon (builds the model and the engine's config; not a layout input)."""
+
+    @property
+    def family(self) -> str:
+        """The layout family table this model uses (see :data:`nemo_dcr.layout.FAMILIES`)."""
+        if self.multi_latent_attention:
+            return "deepseek_v3"
+        return "qwen3_moe" if self.num_experts else "llama"
 
     @property
     def kv_heads(self) -> int:

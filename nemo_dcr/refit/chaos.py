@@ -146,10 +146,10 @@ def _engine_digests(sender) -> dict[str, str]:
 
 
 def _new_sender(cfg: ChaosConfig, rank: int, transport):
-    from nemo_dcr.refit.sender import RefitConfig, RefitSender
     from nemo_dcr.refit.group import DistGroup
     from nemo_dcr.refit.mirror import SenderMirror
     from nemo_dcr.refit.routing import assign_owners
+    from nemo_dcr.refit.sender import RefitConfig, RefitSender
     from nemo_dcr.verify.report import VerifyPolicy
 
     owners = assign_owners({n: int(torch.tensor(s).prod()) for n, s in SHAPES.items()}, cfg.trainers)
@@ -180,8 +180,8 @@ def _one_refit(cfg, i, kind, rank, trainer, sender, transport, checkpoints):
 
 def trainer_main(cfg: ChaosConfig, rank: int) -> None:
     """Trainer rank: attach, then ``cfg.refits`` refits with the scheduled faults."""
-    from tests.standins.shard_trainer import ShardTrainer
     from nemo_dcr.transport import Envelope, MessageKind
+    from tests.standins.shard_trainer import ShardTrainer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{cfg.workdir}/trainer_store", rank=rank,

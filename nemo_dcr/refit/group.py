@@ -29,6 +29,12 @@ class TrainerGroup(Protocol):
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank."""
 
+    def sum_ints(self, values: Sequence[int]) -> list[int]:
+        """Element-wise sums over ranks (same length on every rank)."""
+
+    def max_floats(self, values: Sequence[float]) -> list[float]:
+        """Element-wise maxima over ranks (same length on every rank)."""
+
 
 class LocalGroup:
     """A group of one."""
@@ -43,6 +49,12 @@ class LocalGroup:
 
     def all_true(self, flag: bool) -> bool:
         return flag
+
+    def sum_ints(self, values: Sequence[int]) -> list[int]:
+        return [int(v) for v in values]
+
+    def max_floats(self, values: Sequence[float]) -> list[float]:
+        return [float(v) for v in values]
 
 
 def _signed(v: int) -> int:
@@ -90,3 +102,13 @@ class DistGroup:
         t = torch.tensor([int(flag)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
+
+    def sum_ints(self, values: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64)
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
+
+    def max_floats(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()

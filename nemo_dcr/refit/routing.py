@@ -72,7 +72,11 @@ def unpack(data: bytes) -> list[SparseDelta]:
 
 
 def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
-    """One delta per tensor from pieces sent by several ranks (disjoint positions), sorted."""
+    """One delta per tensor from pieces sent by several ranks, sorted by position.
+
+    Raises:
+        ValueError: two pieces carry the same element (two ranks captured it: a broken layout).
+    """
     groups: dict[str, list[SparseDelta]] = defaultdict(list)
     for p in pieces:
         groups[p.name].append(p)
@@ -80,7 +84,11 @@ def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
     for name, ps in sorted(groups.items()):
         pos = np.concatenate([p.positions for p in ps])
         order = np.argsort(pos, kind="stable")
+        pos = pos[order]
+        if pos.size > 1 and bool((np.diff(pos) <= 0).any()):
+            dup = int(pos[np.flatnonzero(np.diff(pos) <= 0)[0]])
+            raise ValueError(f"{name}: element {dup} was captured twice (two ranks own it)")
         new = np.concatenate([p.new_bits for p in ps])[order]
         old = None if any(p.old_bits is None for p in ps) else np.concatenate([p.old_bits for p in ps])[order]
-        out.append(SparseDelta(name, ps[0].dtype, ps[0].shape, pos[order], new, old))
+        out.append(SparseDelta(name, ps[0].dtype, ps[0].shape, pos, new, old))
     return out

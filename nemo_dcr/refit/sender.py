@@ -1,13 +1,14 @@
-"""Trainer side of a refit (one object per trainer rank): route, encode, send, await, verify,
-commit, and resync on refusal, gap or checksum mismatch (docs/refit.md).
+"""Trainer side of the refit protocol (one object per trainer rank): route, encode, send, await,
+verify, and resync on refusal, gap or checksum mismatch (docs/refit.md).
 
 Per version ``v`` every trainer rank calls :meth:`RefitSender.refit` with its own remapped
-canonical changes (old bits from its capture baseline) and its partial checksums of the
-current weights; the call is collective over the trainer group.  It returns whether ``v``
-committed; the caller commits its capture baseline on ``committed`` and otherwise keeps it
-(changes accumulate).  :meth:`RefitSender.attach` is the first call after a (re)start: it
-builds the mirror from the trainer's weights, compares checksums with the engine, and resyncs
-only the tensors that differ (trainer resumed from a checkpoint), without any manual reload.
+canonical changes (old bits from its capture baseline) and its partial checksums of the current
+weights; the call is collective over the trainer group.  The returned report says whether ``v``
+committed; the caller commits its capture baseline only then (otherwise changes accumulate).
+:meth:`RefitSender.attach` is the first call after a (re)start: it builds the mirror from the
+trainer's weights, compares checksums with the engine, and resyncs only the tensors that differ
+(trainer resumed from a checkpoint).  :meth:`RefitSender.resync` sends every owned tensor whole
+through the same protocol (a delta at 100% density).
 """
 
 from __future__ import annotations
@@ -18,77 +19,45 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Sequence
 
 from nemo_dcr.apply.placement import RankPlacement
-from nemo_dcr.codec import Identity
+from nemo_dcr.codec import Identity, encode_deltas
+from nemo_dcr.codec.stats import layer_type
+from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import MASK64
-from nemo_dcr.verify.report import VerifyPolicy, VerifyReport, compare
+from nemo_dcr.verify.report import VerifyReport, compare
 
 from .fanout import Fanout
 from .group import TrainerGroup
 from .messages import QUERY_FULL, EngineReply
 from .mirror import SenderMirror
 from .payloads import resync_payload
+from .report import RefitReport
 from .routing import by_owner, merge, pack, unpack
 
 Tamper = Callable[[list[Envelope]], list[Envelope]]
 """Fault injection between encoding and sending (chaos): may drop, duplicate, reorder, corrupt."""
 
-
-@dataclass(frozen=True)
-class RefitConfig:
-    """Settings of the refit pipeline.
-
-    Attributes:
-        key: HMAC key of payloads (None: unauthenticated).
-        encoding: ``dcr``, ``reference`` or ``raw``.
-        max_changes_per_part: changed elements per payload part (bounds encode memory).
-        reply_timeout: seconds to wait for an engine reply.
-        verify: when to compare checksums.
-        model: model name carried in payload headers.
-        run: run name carried in payload headers.
-    """
-
-    key: bytes | None = None
-    encoding: str = "dcr"
-    max_changes_per_part: int = 1 << 20
-    reply_timeout: float = 60.0
-    verify: VerifyPolicy = VerifyPolicy()
-    model: str = ""
-    run: str = ""
+RAW_BYTES_PER_CHANGE = 10
+"""Bytes of one changed bf16 element before coding (int64 position + bits): sizes payload parts."""
 
 
-@dataclass(frozen=True)
-class RefitOutcome:
-    """What one refit did.
-
-    Attributes:
-        version: the engine's version afterwards.
-        committed: the engine holds the trainer's current weights (the caller commits its baseline).
-        resynced: a full resync of some tensors was needed.
-        detected: problems seen (refusals, mismatches), in order.
-        changed: changed elements this rank encoded.
-        bytes_sent: payload bytes this rank sent.
-        verify: the last verification.
-        phases: wall seconds of this rank's phases (``route``, ``encode``, ``send``, ``await``,
-            ``verify``) of the sparse refit; empty for attach and recovery.
-    """
-
-    version: int
-    committed: bool
-    resynced: bool = False
-    detected: tuple[str, ...] = ()
-    changed: int = 0
-    bytes_sent: int = 0
-    verify: VerifyReport | None = None
-    phases: dict[str, float] = field(default_factory=dict)
+def verify_due(cfg: DcrConfig, refit_index: int) -> tuple[bool, bool]:
+    """(compare checksums, with a full scan on both sides) for refit number ``refit_index`` (1-based)."""
+    full = bool(cfg.full_verify_interval) and refit_index % cfg.full_verify_interval == 0
+    every = bool(cfg.verify_interval) and refit_index % cfg.verify_interval == 0
+    return every or full, full
 
 
 class PhaseClock:
-    """Wall seconds per named phase (``perf_counter``); phases may repeat and accumulate."""
+    """Wall seconds per named phase (``perf_counter``); phases may repeat and accumulate.
 
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
+    Args:
+        seconds: the dict to accumulate into (default: a new one).
+    """
+
+    def __init__(self, seconds: dict[str, float] | None = None):
+        self.seconds = {} if seconds is None else seconds
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -101,35 +70,64 @@ class PhaseClock:
 
 @dataclass
 class RefitSender:
-    """One trainer rank's side of the pipeline.
+    """One trainer rank's side of the protocol.
 
     With ``routes`` (engine rank -> placement, see docs/engines.md "Routing") each engine rank
     receives only the records for the elements it holds, in its view index space, and the
     engines' canonical partial checksums are summed; without, every engine rank gets every part.
+
+    Args:
+        cfg: the ``dcr`` settings (encoding, part size, reply timeout, verification cadence).
+        key: HMAC key of payloads (None: unauthenticated).
+        group: the trainer ranks.
+        transport: this trainer rank's endpoint of the refit group.
+        engine_ranks: refit-group ranks of the engines.
+        owners: canonical tensor -> owning trainer rank.
+        mirror: this rank's mirror of what the engine holds of its owned tensors.
+        routes: per engine rank placement (None: engines hold canonical tensors whole).
+        model: model name carried in payload headers.
     """
 
-    config: RefitConfig
+    cfg: DcrConfig
+    key: bytes | None
     group: TrainerGroup
     transport: Transport
     engine_ranks: Sequence[int]
     owners: Mapping[str, int]
     mirror: SenderMirror
-    refits: int = 0
     routes: Mapping[int, RankPlacement] | None = None
+    model: str = ""
+    refits: int = 0
     _detected: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        self._fanout = None if self.routes is None else Fanout(self.routes, self.mirror)
-        if self.routes is not None and set(self.routes) != set(self.engine_ranks):
-            raise ValueError(f"routes for ranks {sorted(self.routes)}, engine ranks {list(self.engine_ranks)}")
+        self.set_routes(self.routes)
+
+    def set_routes(self, routes: Mapping[int, RankPlacement] | None) -> None:
+        """Route records per engine rank from now on (placements the engines reported)."""
+        if routes is not None and set(routes) != set(self.engine_ranks):
+            raise ValueError(f"routes for ranks {sorted(routes)}, engine ranks {list(self.engine_ranks)}")
+        self.routes = routes
+        self._fanout = None if routes is None else Fanout(routes, self.mirror)
+
+    @property
+    def max_changes_per_part(self) -> int:
+        """Changed elements per payload part, from ``bucket_size_mb`` (bounds encode and transfer memory)."""
+        return max(1, self.cfg.bucket_size_mb * (1 << 20) // RAW_BYTES_PER_CHANGE)
+
+    @property
+    def owned(self) -> list[str]:
+        """Canonical tensors this rank owns, sorted."""
+        return sorted(n for n, r in self.owners.items() if r == self.group.rank)
+
+    # -- protocol pieces --------------------------------------------------------------------
 
     def _encode(self, owned: Sequence[SparseDelta], ident: Identity) -> dict[int, list[bytes]]:
-        c = self.config
         if self._fanout is None:
-            parts = self.mirror.encode(owned, ident, c.encoding, c.key, c.max_changes_per_part)
+            parts = self.mirror.encode(owned, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
             return {e: parts for e in self.engine_ranks}
         self.mirror.stage(owned, ident.target_version)
-        return self._fanout.encode(owned, ident, c.encoding, c.key, c.max_changes_per_part)
+        return self._fanout.encode(owned, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
 
     def _commit(self, version: int) -> None:
         self.mirror.commit(version)
@@ -141,71 +139,88 @@ class RefitSender:
         if self._fanout is not None:
             self._fanout.reset()
 
-    def _owned(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
+    def _route(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
+        """Send each canonical piece to its owner; merge what this rank owns (refusing overlaps)."""
         out = [pack(b) for b in by_owner(pieces, self.owners, self.group.size)]
         return merge([d for blob in self.group.exchange(out) if blob for d in unpack(blob)])
 
     def _send(self, kind: MessageKind, version: int, parts: Mapping[int, Sequence[bytes]],
               tamper: Tamper | None) -> int:
+        """Send every engine rank its parts and an end-of-version marker; returns payload bytes put
+        on the transport (after tampering: what really crossed)."""
+        sent = 0
         for e in self.engine_ranks:
             envs = [Envelope(kind, version, self.transport.rank, i, False, p) for i, p in enumerate(parts[e])]
             envs = tamper(envs) if tamper else envs
             envs.append(Envelope(kind, version, self.transport.rank, len(parts[e]), True))
             for env in envs:
                 self.transport.send(e, env)
+                sent += len(env.body)
         self.transport.flush()
-        unique = {id(ps): ps for ps in parts.values()}  # unrouted: one list shared by every rank
-        return sum(len(p) for ps in unique.values() for p in ps)
+        return sent
 
     def _await(self, version: int, kinds: tuple[MessageKind, ...]) -> list[EngineReply]:
         replies = []
         for e in self.engine_ranks:
             while True:
                 try:
-                    env = self.transport.recv(src=e, timeout=self.config.reply_timeout)
+                    env = self.transport.recv(src=e, timeout=self.cfg.reply_timeout_s)
                 except TransportError as exc:
-                    replies.append(EngineReply(False, -1, reason=f"no reply: {exc}"))
+                    replies.append(EngineReply(False, -1, reason=f"no reply from engine rank {e}: {exc}"))
                     break
                 if env.kind in kinds and env.version == version:
                     replies.append(EngineReply.from_bytes(env.body))
                     break
         return replies
 
-    def _query(self) -> list[EngineReply]:
+    def query(self, code: int = QUERY_FULL) -> list[EngineReply]:
+        """Ask every engine rank for its state (version and checksums; ``code`` selects what)."""
         for e in self.engine_ranks:
-            self.transport.send(e, Envelope(MessageKind.QUERY, QUERY_FULL, self.transport.rank))
+            self.transport.send(e, Envelope(MessageKind.QUERY, code, self.transport.rank))
         self.transport.flush()
-        return self._await(QUERY_FULL, (MessageKind.STATE,))
+        return self._await(code, (MessageKind.STATE,))
 
     def _verify(self, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool) -> VerifyReport:
         engine: dict[str, int] = {}
         for r in replies:  # routed: canonical partial sums of each rank; else every rank's full values
             for n, c in r.checksums.items():
                 engine[n] = (engine.get(n, 0) + c) & MASK64 if self._fanout is not None else c
-        names = sorted(set(self.owners))
-        totals = self.group.sum_u64(trainer, names)
+        totals = self.group.sum_u64(trainer, sorted(self.owners))
         return compare(totals, engine, max(r.version for r in replies), full)
 
-    def refit(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int],
-              tamper: Tamper | None = None, base_skew: int = 0) -> RefitOutcome:
+    # -- the three entry points -------------------------------------------------------------
+
+    def _telemetry(self, owned: Sequence[SparseDelta], encodings: Sequence[str]) -> dict[str, int]:
+        """Payload bytes of ``owned`` in other encodings (measured, not sent; before the mirror moves)."""
+        out = {}
+        for enc in encodings:
+            if enc != self.cfg.encoding:
+                out[enc] = len(encode_deltas(owned, self.mirror.bits, Identity(), enc, None, self.mirror.checksums))
+        return out
+
+    def refit(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int], *, full: bool = False,
+              verify: bool = True, tamper: Tamper | None = None, base_skew: int = 0,
+              telemetry: Sequence[str] = ()) -> RefitReport:
         """Ship this version's changes; collective over the trainer group.
 
         Args:
             pieces: this rank's canonical changes since its committed baseline.
             trainer_checksums: this rank's partial checksums of its current weights.
+            full: compare full scans (the engine rescans; ``trainer_checksums`` must be a full scan too).
+            verify: compare checksums after the engine acknowledged.
             tamper: fault injection on the outgoing envelopes.
             base_skew: added to the payload's base version (version-skew fault injection).
+            telemetry: further encodings whose payload sizes are measured for the report (not sent).
         """
         self.refits += 1
         self._detected = []
         clock = PhaseClock()
         version = self.mirror.version + 1
         with clock("route"):
-            routed = self._owned(pieces)
+            routed = self._route(pieces)
         with clock("encode"):
             owned = self.mirror.changes(routed)
-            ident = Identity(self.config.model, self.config.run, self.mirror.version + base_skew,
-                             version + base_skew)
+            ident = Identity(self.model, "", self.mirror.version + base_skew, version + base_skew)
             parts = self._encode(owned, ident)
         with clock("send"):
             sent = self._send(MessageKind.DELTA, version, parts, tamper)
@@ -213,58 +228,97 @@ class RefitSender:
             replies = self._await(version, (MessageKind.ACK, MessageKind.NACK))
             ok = self.group.all_true(all(r.ok for r in replies))
         changed = sum(d.nnz for d in owned)
+        with clock("telemetry"):
+            sizes = self._telemetry(owned, telemetry)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
-            return self._recover(trainer_checksums, changed, sent)
+            return self._recover(trainer_checksums, changed, sent, clock)
         with clock("verify"):
             self._commit(version)
-            full = self.config.verify.full_due(self.refits)
             report = None
-            if self.config.verify.every_refit or full:
-                report = self._verify(trainer_checksums, self._query() if full else replies, full)
+            if verify or full:
+                report = self._verify(trainer_checksums, self.query() if full else replies, full)
         if report is not None and not report.ok:
             self._detected.append("checksum mismatch: " + report.describe())
-            return self._recover(trainer_checksums, changed, sent)
-        return RefitOutcome(version, True, False, tuple(self._detected), changed, sent, report, clock.seconds)
+            return self._recover(trainer_checksums, changed, sent, clock)
+        kinds: dict[str, dict[str, int]] = {}
+        for d in owned:
+            k = kinds.setdefault(layer_type(d.name), {"changed": 0})
+            k["changed"] += d.nnz
+        return RefitReport(version, "delta", True, False, tuple(self._detected), changed, payload_bytes=sent,
+                           bytes_by_encoding={self.cfg.encoding: sent, **sizes}, by_layer_type=kinds,
+                           times=clock.seconds, verify=report)
 
-    def attach(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitOutcome:
+    def attach(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitReport:
         """(Re)start: ``pieces`` are all nonzero elements (captured against a zero baseline).
 
         The mirror starts from zeros, so mirror plus ``pieces`` is the trainer's state; the
         engine's full checksums decide which tensors (if any) need a resync.
         """
         self._detected = []
-        owned = self.mirror.changes(self._owned(pieces))
-        self.mirror.encode(owned, Identity(base_version=0, target_version=1), "raw", None, 1 << 62)
-        return self._recover(trainer_checksums, sum(d.nnz for d in owned), 0, attach=True)
+        clock = PhaseClock()
+        with clock("route"):
+            owned = self.mirror.changes(self._route(pieces))
+            self.mirror.stage(owned, 1)
+        return self._recover(trainer_checksums, sum(d.nnz for d in owned), 0, clock, mode="attach")
+
+    def resync(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitReport:
+        """Send every owned tensor whole (this version's changes included) through the protocol."""
+        self.refits += 1
+        self._detected = []
+        clock = PhaseClock()
+        with clock("route"):
+            owned = self.mirror.changes(self._route(pieces))
+            self.mirror.stage(owned, self.mirror.version + 1)
+        state = self.query()
+        target = max([r.version for r in state] + [self.mirror.version]) + 1
+        return self._resync(self.owned, target, trainer_checksums, sum(d.nnz for d in owned), 0, clock,
+                            mode="resync", before=None)
+
+    # -- recovery -----------------------------------------------------------------------------
 
     def _resync_parts(self, names: Sequence[str], target: int) -> dict[int, list[bytes]]:
-        c = self.config
         if self._fanout is not None:
-            return self._fanout.resync_payloads(names, target, c.key, c.model, c.run)
-        payload = resync_payload(self.mirror.current(names), target, c.key, model=c.model, run=c.run)
+            return self._fanout.resync_payloads(names, target, self.key, self.model)
+        payload = resync_payload(self.mirror.current(names), target, self.key, model=self.model)
         return {e: [payload] for e in self.engine_ranks}
 
-    def _recover(self, trainer_checksums, changed: int, sent: int, attach: bool = False) -> RefitOutcome:
-        state = self._query()
-        before = self._verify(trainer_checksums, state, full=True)
+    def _recover(self, trainer_checksums, changed: int, sent: int, clock: PhaseClock,
+                 mode: str = "delta") -> RefitReport:
+        with clock("verify"):
+            state = self.query()
+            before = self._verify(trainer_checksums, state, full=True)
         engine_version = max(r.version for r in state)
-        owned = [n for n in sorted(self.owners) if self.owners[n] == self.group.rank]
         if before.ok and engine_version >= 0:
-            self._reset(owned, engine_version)
-            if attach:
-                return RefitOutcome(engine_version, True, False, (), changed, sent, before)
-        elif attach:
+            self._reset(self.owned, engine_version)
+            if mode == "attach":
+                return RefitReport(engine_version, mode, True, False, (), changed, payload_bytes=sent,
+                                   times=clock.seconds, verify=before)
+        elif mode == "attach":
             self._detected.append("trainer and engine differ at (re)start: " + before.describe())
         bad = {m.name for m in before.mismatches}
         target = max(engine_version, self.mirror.version) + 1
-        parts = self._resync_parts([n for n in owned if n in bad], target)
-        sent += self._send(MessageKind.RESYNC, target, parts, None)
-        replies = self._await(target, (MessageKind.ACK, MessageKind.NACK))
-        ok = self.group.all_true(all(r.ok for r in replies))
+        names = [n for n in self.owned if n in bad]
+        return self._resync(names, target, trainer_checksums, changed, sent, clock, mode, before)
+
+    def _resync(self, names: Sequence[str], target: int, trainer_checksums, changed: int, sent: int,
+                clock: PhaseClock, mode: str, before: VerifyReport | None) -> RefitReport:
+        with clock("encode"):
+            parts = self._resync_parts(names, target)
+        with clock("send"):
+            sent += self._send(MessageKind.RESYNC, target, parts, None)
+        with clock("await"):
+            replies = self._await(target, (MessageKind.ACK, MessageKind.NACK))
+            ok = self.group.all_true(all(r.ok for r in replies))
         if not ok:
-            self._detected += [r.reason for r in replies if not r.ok]
-            return RefitOutcome(engine_version, False, True, tuple(self._detected), changed, sent, before)
-        self._reset(owned, target)
-        after = self._verify(trainer_checksums, replies, full=False)
-        return RefitOutcome(target, after.ok, True, tuple(self._detected), changed, sent, after)
+            self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
+            version = max(r.version for r in replies)
+            return RefitReport(version, mode, False, True, tuple(self._detected), changed, payload_bytes=sent,
+                               times=clock.seconds, verify=before)
+        self._reset(self.owned, target)
+        with clock("verify"):
+            after = self._verify(trainer_checksums, replies, full=False)
+        if not after.ok:
+            self._detected.append("checksum mismatch after resync: " + after.describe())
+        return RefitReport(target, mode, after.ok, True, tuple(self._detected), changed, payload_bytes=sent,
+                           times=clock.seconds, verify=after)

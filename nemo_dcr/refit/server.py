@@ -18,7 +18,7 @@ from nemo_dcr.apply import ApplyResult
 from nemo_dcr.transport import Envelope, MessageKind, Transport
 from nemo_dcr.types import int_view
 
-from .messages import QUERY_DIGESTS, QUERY_FULL, EngineReply
+from .messages import QUERY_DIGESTS, QUERY_FULL, QUERY_PLACEMENT, EngineReply
 
 
 class Engine(Protocol):
@@ -41,6 +41,8 @@ class ServerStats:
     refused: dict[str, int] = field(default_factory=dict)
     replays_dropped: int = 0
     duplicates_dropped: int = 0
+    reordered: int = 0
+    """Parts that arrived after a later part of the same sender and version (put back in order)."""
 
 
 def digests(tensors: dict) -> dict[str, str]:
@@ -80,6 +82,9 @@ class EngineServer:
         return True
 
     def _state(self, query: int) -> EngineReply:
+        if query == QUERY_PLACEMENT:
+            placement = getattr(self.engine, "placement_json", None)
+            return EngineReply(True, self.engine.version, placement=placement() if placement else {})
         ck = self.engine.checksums(full=query >= QUERY_FULL)
         dg = digests(self.engine.tensors) if query == QUERY_DIGESTS else {}
         return EngineReply(True, self.engine.version, checksums=ck, digests=dg)
@@ -93,6 +98,8 @@ class EngineServer:
         if env.part in got:
             self.stats.duplicates_dropped += 1
             return
+        if got and env.part < max(got):
+            self.stats.reordered += 1
         got[env.part] = env
         if all(s in per_sender and _finished(per_sender[s]) for s in self.senders):
             del self._parts[(int(env.kind), env.version)]

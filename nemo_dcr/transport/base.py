@@ -41,11 +41,15 @@ class TransportError(RuntimeError):
     """A message could not be sent or received (timeout, closed peer, bad envelope MAC)."""
 
 
+class TransportTimeout(TransportError):
+    """Nothing arrived within the timeout (the transport itself is fine)."""
+
+
 class TransportUnavailableError(TransportError):
     """The transport needs hardware or a package this process does not have."""
 
 
-_HEAD = struct.Struct("<4sBqiiB")
+_HEAD = struct.Struct("<4sBqiiBi")
 _MAGIC = b"NDCE"
 
 
@@ -60,6 +64,7 @@ class Envelope:
         part: index of this part among the sender's parts of ``version``.
         last: this is the sender's last part of ``version``.
         body: payload bytes (opaque to the transport).
+        receiver: rank it is addressed to (set by the sending endpoint; -1: not yet sent).
     """
 
     kind: MessageKind
@@ -68,21 +73,22 @@ class Envelope:
     part: int = 0
     last: bool = True
     body: bytes = b""
+    receiver: int = -1
 
     def to_bytes(self) -> bytes:
-        """Fixed 22-byte head followed by the body."""
+        """Fixed 26-byte head followed by the body."""
         return _HEAD.pack(_MAGIC, int(self.kind), self.version, self.sender, self.part,
-                          int(self.last)) + self.body
+                          int(self.last), self.receiver) + self.body
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Envelope":
         """Inverse of :meth:`to_bytes`; raises :class:`TransportError` on a malformed head."""
         if len(data) < _HEAD.size:
             raise TransportError(f"envelope of {len(data)} bytes is shorter than its head")
-        magic, kind, version, sender, part, last = _HEAD.unpack_from(data)
+        magic, kind, version, sender, part, last, receiver = _HEAD.unpack_from(data)
         if magic != _MAGIC or kind not in MessageKind._value2member_map_ or last > 1:
             raise TransportError(f"malformed envelope head {bytes(data[:_HEAD.size])!r}")
-        return cls(MessageKind(kind), version, sender, part, bool(last), bytes(data[_HEAD.size:]))
+        return cls(MessageKind(kind), version, sender, part, bool(last), bytes(data[_HEAD.size:]), receiver)
 
 
 class Transport(Protocol):
@@ -100,5 +106,6 @@ class Transport(Protocol):
         """Next envelope for this rank (from ``src`` only, when given).
 
         Raises:
-            TransportError: nothing arrived within ``timeout`` seconds.
+            TransportTimeout: nothing arrived within ``timeout`` seconds.
+            TransportError: the transport failed (a malformed or unauthenticated message).
         """

@@ -25,10 +25,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 import torch
 
-from .base import Envelope, TransportError
+from .base import Envelope, TransportError, TransportTimeout
 
 DEFAULT_CHUNK = 4 << 20
 _TAG = 0
@@ -59,7 +60,8 @@ class DistTransport:
         self._cond = threading.Condition()
         self._receiver: threading.Thread | None = None
         self._closed_by: set[int] = set()
-        self._peers = {r for r in range(pg.size()) if r != rank} if hasattr(pg, "size") else set()
+        self._sized = hasattr(pg, "size")
+        self._peers = {r for r in range(pg.size()) if r != rank} if self._sized else set()
 
     def _post(self, tensor: torch.Tensor, dst: int) -> None:
         while len(self._inflight) >= self.max_inflight:
@@ -68,12 +70,12 @@ class DistTransport:
 
     def send(self, dst: int, env: Envelope) -> None:
         """Queue ``env`` for ``dst``; returns once its last chunk is posted."""
-        data = env.to_bytes()
+        data = (env if env.receiver >= 0 else replace(env, receiver=dst)).to_bytes()
         self._post(torch.tensor([len(data), self.chunk_bytes], dtype=torch.int64), dst)
         for s in range(0, len(data), self.chunk_bytes):
             chunk = torch.frombuffer(bytearray(data[s:s + self.chunk_bytes]), dtype=torch.uint8)
             self._post(chunk.to(self.device), dst)
-        self.bytes_sent += len(data)
+        self.bytes_sent += len(env.body)
 
     def flush(self) -> None:
         """Wait for every posted send."""
@@ -117,8 +119,10 @@ class DistTransport:
         Raises :class:`TransportError` naming the ranks that have not closed within ``timeout``;
         messages still unread in the mailbox are dropped.
         """
-        if not self._peers:
+        if not self._sized:
             raise TransportError(f"rank {self.rank}: close needs a process group with size()")
+        if not self._peers:
+            return
         deadline = time.monotonic() + timeout
         self.flush()
         with self._cond:
@@ -148,5 +152,5 @@ class DistTransport:
                         return got
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TransportError(f"rank {self.rank}: nothing from {src} within {timeout}s")
+                    raise TransportTimeout(f"rank {self.rank}: nothing from {src} within {timeout}s")
                 self._cond.wait(left)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .base import Envelope, TransportError
+from .base import Envelope, TransportTimeout
 
 
 class InProcHub:
@@ -52,5 +52,5 @@ class InProcTransport:
                         return box.pop(i)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TransportError(f"rank {self.rank}: nothing from {src} within {timeout}s")
+                    raise TransportTimeout(f"rank {self.rank}: nothing from {src} within {timeout}s")
                 self.hub._cond.wait(left)

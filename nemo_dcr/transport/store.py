@@ -16,7 +16,7 @@ import itertools
 import time
 import uuid
 
-from .base import Envelope, TransportError
+from .base import Envelope, TransportError, TransportTimeout
 
 MAC_BYTES = 32
 
@@ -79,7 +79,7 @@ class StoreTransport:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (path := self._next(src)) is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise TransportError(f"rank {self.rank}: nothing in {self._box(self.rank)} within {timeout}s")
+                raise TransportTimeout(f"rank {self.rank}: nothing in {self._box(self.rank)} within {timeout}s")
             time.sleep(self.poll_s)
         with self.fs.open(path, "rb") as f:
             raw = f.read()

@@ -1,9 +1,11 @@
-"""A small trainer for tests, chaos and benchmarks: row shards of canonical tensors with fp32
-master AdamW steps (the same bits contract as Megatron's mixed-precision optimizer).
+"""A **stand-in** trainer for unit tests of the refit path without Megatron: row shards of
+canonical tensors with fp32-master AdamW steps (the same bits contract as Megatron's
+mixed-precision optimizer), exposed as a :class:`nemo_dcr.refit.TrainerSource`.
 
 Trainer rank ``r`` of ``world`` holds rows ``[r*R/world, (r+1)*R/world)`` of every canonical
 tensor (a TP-style row split), so its flat local index ``i`` is canonical index
 ``row0 * cols + i``: the remap is pure integer arithmetic, as in :mod:`nemo_dcr.layout`.
+The real trainer source is :class:`nemo_dcr.integrations.megatron.MegatronSource`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from nemo_dcr.capture import BaselineStore, capture
-from nemo_dcr.types import SparseDelta, int_view, spec_of
+from nemo_dcr.types import SparseDelta, host_bits
 from nemo_dcr.verify.report import ShardChecksums
 
 
@@ -26,7 +27,7 @@ def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
 
 @dataclass
 class ShardTrainer:
-    """fp32 masters of this rank's row shards, bf16 live params, a capture baseline."""
+    """fp32 masters of this rank's row shards and bf16 live params (a TrainerSource)."""
 
     shapes: Mapping[str, tuple[int, ...]]
     rank: int
@@ -46,13 +47,8 @@ class ShardTrainer:
             self.offsets[name] = lo * cols
         self.opt = torch.optim.AdamW(list(self.masters.values()), lr=self.lr)
         self.step_no = 0
-        self.reset_baseline()
-
-    def reset_baseline(self) -> None:
-        """Zero baseline (a (re)start): the next capture reports every nonzero element."""
-        self.baseline = BaselineStore("pinned")
-        for n, p in self.params.items():
-            self.baseline.register(n, torch.zeros_like(p))
+        self.ranges = {n: (0, p.numel()) for n, p in self.params.items()}
+        self.canonical = {n: ("bf16", tuple(s)) for n, s in self.shapes.items()}
 
     @torch.no_grad()
     def step(self) -> None:
@@ -65,21 +61,25 @@ class ShardTrainer:
         for n, m in self.masters.items():
             self.params[n].copy_(m.to(torch.bfloat16))
 
-    def pieces(self, version: int) -> list[SparseDelta]:
-        """Canonical changes since the committed baseline (staged as ``version``)."""
-        local = capture(self.params, self.baseline, version=version)
-        return [SparseDelta(d.name, d.dtype, tuple(self.shapes[d.name]), d.positions + self.offsets[d.name],
-                            d.new_bits, d.old_bits) for d in local]
+    def remap(self, delta: SparseDelta) -> list[SparseDelta]:
+        """The local delta as one canonical piece (row offset)."""
+        return [SparseDelta(delta.name, delta.dtype, tuple(self.shapes[delta.name]),
+                            delta.positions + self.offsets[delta.name], delta.new_bits, delta.old_bits)]
 
-    def commit(self, version: int) -> None:
-        """The engine holds ``version``: move the baseline."""
-        self.baseline.commit(version)
+    def pieces(self) -> list[SparseDelta]:
+        """Every element as canonical pieces with zero old bits."""
+        out = []
+        for n, p in self.params.items():
+            bits = host_bits(p).copy()
+            pos = np.arange(self.offsets[n], self.offsets[n] + bits.size, dtype=np.int64)
+            out.append(SparseDelta(n, "bf16", tuple(self.shapes[n]), pos, bits, np.zeros_like(bits)))
+        return out
 
     def checksums(self) -> dict[str, int]:
         """This rank's partial checksums of its current bf16 shards (full scan)."""
         sc = ShardChecksums()
         for n, p in self.params.items():
-            bits = int_view(p).numpy().view(spec_of(p.dtype).uint)
+            bits = host_bits(p)
             sc.add(n, np.arange(self.offsets[n], self.offsets[n] + bits.size, dtype=np.int64), bits)
         return sc.sums
 
@@ -90,10 +90,9 @@ class ShardTrainer:
 
     @torch.no_grad()
     def load(self, state: dict) -> None:
-        """Resume from :meth:`state` (baseline restarts from zero, as in a new process)."""
+        """Resume from :meth:`state`."""
         for n, m in self.masters.items():
             m.copy_(state["masters"][n])
             self.params[n].copy_(m.to(torch.bfloat16))
         self.opt.load_state_dict(state["opt"])
         self.step_no = state["step"]
-        self.reset_baseline()

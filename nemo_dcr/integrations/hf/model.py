@@ -87,3 +87,17 @@ def state_dict_bits(
         for name, p in model.named_parameters():
             out[name] = p.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
     return out
+
+
+def save_embedded_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> int:
+    """Write the embedded model's weights as one safetensors file (what trainer ranks load).
+
+    Safetensors, not pickle: the file is read by memory map on every rank and removed by the
+    caller once they loaded it.  Returns the number of tensors written.
+    """
+    from nemo_dcr.checkpoint import save_checkpoint
+
+    model = load_embedded_model(dtype)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_checkpoint(state, Path(path))
+    return len(state)

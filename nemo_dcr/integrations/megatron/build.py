@@ -1,4 +1,4 @@
-"""Megatron-Core adapter: CPU shim, model presets, GPTModel construction, topology discovery.
+"""Megatron-Core integration: CPU shim, GPTModel construction from a :class:`ModelDims`, topology.
 
 Only this folder imports megatron.  Everything here runs on CPU with gloo (megatron-core
 0.16.1 on Python 3.11): models use the local (non-Transformer-Engine) layer spec, CPU
@@ -13,92 +13,12 @@ Related modules:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.layout import ModelDims, ParallelLayout
+
 _SHIM_INSTALLED = False
-
-
-@dataclass(frozen=True)
-class ModelPreset:
-    """Architecture of a GPT-style model, enough to build it in megatron and name it in HF.
-
-    Attributes:
-        family: layout family name (``"llama"``, ``"qwen3"``, ``"qwen3_moe"``, ``"deepseek_v3"``).
-        hidden: hidden size.
-        ffn: dense MLP intermediate size.
-        layers: number of transformer layers.
-        heads: attention heads.
-        kv_groups: key/value heads (GQA query groups).
-        vocab: true (HF) vocabulary size; megatron pads it (see :func:`padded_vocab`).
-        tied: whether input embeddings and the output layer share weights.
-        qk_layernorm: per-head RMS norm on q and k (Qwen3).
-        head_dim: attention head size (``hidden // heads`` when None).
-        num_experts: routed experts (0: dense model).
-        moe_ffn: intermediate size of one routed expert.
-        topk: experts per token.
-        shared_ffn: intermediate size of the shared expert (0: none).
-        mla: multi-latent attention (DeepSeek) instead of GQA.
-        q_lora_rank: MLA query low-rank size (None: no q compression).
-        kv_lora_rank: MLA key/value low-rank size.
-        qk_head_dim: MLA non-rotary q/k head size.
-        qk_pos_emb_head_dim: MLA rotary q/k head size.
-        v_head_dim: MLA value head size.
-        rope_theta: rotary base.
-        norm_eps: RMS norm epsilon.
-    """
-
-    family: str
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    kv_groups: int
-    vocab: int
-    tied: bool = False
-    qk_layernorm: bool = False
-    head_dim: int | None = None
-    num_experts: int = 0
-    moe_ffn: int = 0
-    topk: int = 2
-    shared_ffn: int = 0
-    mla: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 32
-    qk_head_dim: int = 16
-    qk_pos_emb_head_dim: int = 8
-    v_head_dim: int = 16
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-
-
-PRESETS: dict[str, ModelPreset] = {
-    "smollm2": ModelPreset(
-        "llama", hidden=576, ffn=1536, layers=30, heads=9, kv_groups=3, vocab=49152,
-        tied=True, rope_theta=100000.0, norm_eps=1e-5,
-    ),
-    "dense-tiny": ModelPreset(
-        "llama", hidden=64, ffn=128, layers=4, heads=4, kv_groups=2, vocab=1000, tied=False,
-    ),
-    "qwen3-moe-tiny": ModelPreset(
-        "qwen3_moe", hidden=64, ffn=128, layers=4, heads=4, kv_groups=2, vocab=1000,
-        qk_layernorm=True, head_dim=16, num_experts=4, moe_ffn=32, topk=2,
-    ),
-    "deepseek-tiny": ModelPreset(
-        "deepseek_v3", hidden=64, ffn=128, layers=4, heads=4, kv_groups=4, vocab=1000,
-        num_experts=4, moe_ffn=32, topk=2, shared_ffn=32, mla=True, q_lora_rank=None,
-        qk_layernorm=True,
-        kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
-    ),
-}
-
-
-def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's vocabulary padding: round up to a multiple of ``divisible_by * tp``."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
 
 
 def install_cpu_shim() -> None:
@@ -150,10 +70,10 @@ def init_distributed(tp: int, pp: int, ep: int = 1, etp: int | None = None,
     torch.manual_seed(seed)
 
 
-def transformer_config(preset: ModelPreset, dtype: torch.dtype, pp: int, vpp: int | None = None,
+def transformer_config(dims: ModelDims, dtype: torch.dtype, pp: int, vpp: int | None = None,
                        first_stage_layers: int | None = None,
                        last_stage_layers: int | None = None):
-    """The megatron ``TransformerConfig`` (or ``MLATransformerConfig``) of a preset.
+    """The megatron ``TransformerConfig`` (or ``MLATransformerConfig``) of a model description.
 
     ``first_stage_layers`` / ``last_stage_layers`` are megatron's uneven-pipeline knobs
     (``num_layers_in_{first,last}_pipeline_stage``; None: even split).
@@ -162,11 +82,12 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype, pp: int, vpp: in
     from megatron.core.transformer import TransformerConfig
 
     kw = dict(
-        num_layers=preset.layers, hidden_size=preset.hidden, ffn_hidden_size=preset.ffn,
-        num_attention_heads=preset.heads, num_query_groups=preset.kv_groups,
-        kv_channels=preset.head_dim, normalization="RMSNorm", layernorm_epsilon=preset.norm_eps,
+        num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_attention_heads, num_query_groups=dims.kv_heads,
+        kv_channels=dims.head_dim, normalization="RMSNorm", layernorm_epsilon=dims.norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=preset.qk_layernorm,
+        add_qkv_bias=dims.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        qk_layernorm=_megatron_qk_layernorm(dims),
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
@@ -179,27 +100,35 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype, pp: int, vpp: in
         persist_layer_norm=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, sequence_parallel=False,
     )
-    if preset.num_experts:
+    if dims.num_experts:
         kw.update(
-            num_moe_experts=preset.num_experts, moe_ffn_hidden_size=preset.moe_ffn,
-            moe_router_topk=preset.topk, moe_token_dispatcher_type="allgather",
+            num_moe_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
+            moe_router_topk=dims.moe_router_topk, moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=False, moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_shared_expert_intermediate_size=preset.shared_ffn or None,
+            moe_shared_expert_intermediate_size=dims.shared_expert_ffn_hidden_size or None,
+            moe_router_enable_expert_bias=dims.router_expert_bias,
         )
-    if not preset.mla:
+        if dims.first_dense_layers:
+            kw["moe_layer_freq"] = [0] * dims.first_dense_layers + [1] * (dims.num_layers - dims.first_dense_layers)
+    if not dims.multi_latent_attention:
         return TransformerConfig(**kw)
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     kw.pop("kv_channels")
     return MLATransformerConfig(
-        **kw, q_lora_rank=preset.q_lora_rank, kv_lora_rank=preset.kv_lora_rank,
-        qk_head_dim=preset.qk_head_dim, qk_pos_emb_head_dim=preset.qk_pos_emb_head_dim,
-        v_head_dim=preset.v_head_dim, rope_type="rope", rotary_base=preset.rope_theta,
+        **kw, q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank,
+        qk_head_dim=dims.qk_head_dim, qk_pos_emb_head_dim=dims.qk_pos_emb_head_dim,
+        v_head_dim=dims.v_head_dim, rope_type="rope", rotary_base=dims.rope_theta,
     )
 
 
-def build_gpt_model(preset: ModelPreset, dtype: torch.dtype = torch.bfloat16,
+def _megatron_qk_layernorm(dims: ModelDims) -> bool:
+    """Megatron's ``qk_layernorm``: Qwen3's q/k norms, or MLA's ``kv_layernorm`` (and q norm)."""
+    return dims.qk_layernorm or dims.multi_latent_attention
+
+
+def build_gpt_model(dims: ModelDims, dtype: torch.dtype = torch.bfloat16,
                     vpp: int | None = None, first_stage_layers: int | None = None,
                     last_stage_layers: int | None = None) -> list[torch.nn.Module]:
     """Build this rank's GPTModel chunk(s) (one per virtual pipeline stage).
@@ -215,7 +144,7 @@ def build_gpt_model(preset: ModelPreset, dtype: torch.dtype = torch.bfloat16,
     is deprecated there (nothing reads it while building) and is not used.
 
     Args:
-        preset: the model.
+        dims: the model.
         dtype: parameter dtype.
         vpp: model chunks per pipeline stage (None: ``parallel_state``'s virtual size).
         first_stage_layers: layers on the first pipeline stage (uneven pipeline).
@@ -238,15 +167,15 @@ def build_gpt_model(preset: ModelPreset, dtype: torch.dtype = torch.bfloat16,
         raise ValueError(
             "uneven first and last stage with pp=2 and vpp>1: megatron-core 0.16.1's "
             "get_transformer_layer_offset divides by zero middle stages; set only one of them")
-    config = transformer_config(preset, dtype, pp, vpp, first_stage_layers, last_stage_layers)
+    config = transformer_config(dims, dtype, pp, vpp, first_stage_layers, last_stage_layers)
     spec = get_gpt_layer_local_spec(
-        num_experts=preset.num_experts or None, moe_grouped_gemm=False,
-        qk_layernorm=preset.qk_layernorm, multi_latent_attention=preset.mla,
+        num_experts=dims.num_experts or None, moe_grouped_gemm=False,
+        qk_layernorm=_megatron_qk_layernorm(dims), multi_latent_attention=dims.multi_latent_attention,
         normalization="RMSNorm",
     )
-    if preset.mla:
+    if dims.multi_latent_attention:
         _patch_mla_core_attention(spec)
-    vocab = padded_vocab(preset.vocab, ps.get_tensor_model_parallel_world_size())
+    vocab = dims.padded_vocab(ps.get_tensor_model_parallel_world_size())
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
@@ -255,8 +184,8 @@ def build_gpt_model(preset: ModelPreset, dtype: torch.dtype = torch.bfloat16,
             max_sequence_length=4096,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=preset.tied, position_embedding_type="rope",
-            rotary_base=int(preset.rope_theta), vp_stage=vp_stage,
+            share_embeddings_and_output_weights=dims.tie_word_embeddings, position_embedding_type="rope",
+            rotary_base=int(dims.rope_theta), vp_stage=vp_stage,
         ).to(dtype))  # like Float16Module: the torch-norm fallback allocates fp32 weights
     return chunks
 
@@ -307,30 +236,6 @@ def world_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def with_layers(preset: ModelPreset, layers: int) -> ModelPreset:
-    """A copy of ``preset`` with a different number of layers."""
-    return replace(preset, layers=layers)
-
-
-def model_dims(preset: ModelPreset):
-    """The layout stage's :class:`~nemo_dcr.layout.ModelDims` of a preset."""
-    from nemo_dcr.layout import ModelDims
-
-    return ModelDims(
-        num_layers=preset.layers, hidden_size=preset.hidden,
-        num_attention_heads=preset.heads, vocab_size=preset.vocab,
-        num_query_groups=preset.kv_groups, head_dim=preset.head_dim,
-        ffn_hidden_size=preset.ffn, tie_word_embeddings=preset.tied,
-        qk_layernorm=preset.qk_layernorm and not preset.mla, num_experts=preset.num_experts,
-        moe_ffn_hidden_size=preset.moe_ffn, shared_expert_ffn_hidden_size=preset.shared_ffn,
-        multi_latent_attention=preset.mla, q_lora_rank=preset.q_lora_rank,
-        kv_lora_rank=preset.kv_lora_rank if preset.mla else 0,
-        qk_head_dim=preset.qk_head_dim if preset.mla else 0,
-        qk_pos_emb_head_dim=preset.qk_pos_emb_head_dim if preset.mla else 0,
-        v_head_dim=preset.v_head_dim if preset.mla else 0,
-    )
-
-
 def parallel_layout_from_state(first_stage_layers: int | None = None,
                                last_stage_layers: int | None = None):
     """This rank's :class:`~nemo_dcr.layout.ParallelLayout` from ``parallel_state``.
@@ -339,8 +244,6 @@ def parallel_layout_from_state(first_stage_layers: int | None = None,
     uneven-pipeline knobs are not part of ``parallel_state``: pass the values the model was
     built with (None: even split).
     """
-    from nemo_dcr.layout import ParallelLayout
-
     c = rank_coords()
     return ParallelLayout(
         tp=c["tp"], pp=c["pp"], vpp=c["vpp"], ep=c["ep"], etp=c["etp"], dp=c["dp"],

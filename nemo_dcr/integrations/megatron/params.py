@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.integrations.megatron.build import ModelPreset, rank_coords
+from nemo_dcr.integrations.megatron.build import rank_coords
 from nemo_dcr.integrations.megatron.convert import (
     hf_to_megatron, megatron_to_hf, merge_shards, shard_of, tp_placement,
 )
 from nemo_dcr.capture.ranges import split_range
+from nemo_dcr.layout import ModelDims
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
@@ -52,12 +53,19 @@ class LocalParam:
         return self.name if self.chunk == 0 else f"model{self.chunk}.{self.name}"
 
 
-def local_params(chunks: list[torch.nn.Module], preset: ModelPreset) -> list[LocalParam]:
-    """Every parameter of this rank with its global megatron name."""
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside wrappers (``DistributedDataParallel``, ``Float16Module``: ``.module``)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def local_params(chunks: list[torch.nn.Module], dims: ModelDims) -> list[LocalParam]:
+    """Every parameter of this rank with its global megatron name (wrapped chunks are unwrapped)."""
     coords = rank_coords()
-    per_rank = preset.num_experts // coords["ep"] if preset.num_experts else 0
+    per_rank = dims.num_experts // coords["ep"] if dims.num_experts else 0
     out = []
-    for c, model in enumerate(chunks):
+    for c, model in enumerate(unwrap(m) for m in chunks):
         for name, p in model.named_parameters():
             gname = name
             m = _LOCAL_LAYER.match(name)
@@ -75,12 +83,12 @@ def local_params(chunks: list[torch.nn.Module], preset: ModelPreset) -> list[Loc
 
 @torch.no_grad()
 def load_hf(chunks: list[torch.nn.Module], hf: Mapping[str, torch.Tensor],
-            preset: ModelPreset) -> int:
+            dims: ModelDims) -> int:
     """Copy HF weights into this rank's shards; returns the number of params loaded."""
     coords = rank_coords()
     n = 0
-    for lp in local_params(chunks, preset):
-        full = hf_to_megatron(lp.global_name, hf, preset, coords["tp"])
+    for lp in local_params(chunks, dims):
+        full = hf_to_megatron(lp.global_name, hf, dims, coords["tp"])
         size, rank, dim = tp_placement(lp.param, coords)
         shard = shard_of(lp.global_name, full, size, rank, dim)
         if tuple(shard.shape) != tuple(lp.param.shape):
@@ -131,7 +139,7 @@ def capture_ranges(params: list[LocalParam], skip: set[str] = frozenset()
 
 
 @torch.no_grad()
-def dense_export(chunks: list[torch.nn.Module], preset: ModelPreset,
+def dense_export(chunks: list[torch.nn.Module], dims: ModelDims,
                  dst: int = 0) -> dict[str, torch.Tensor] | None:
     """Gather every shard to rank ``dst`` and convert to HF tensors (the dense reference).
 
@@ -140,8 +148,8 @@ def dense_export(chunks: list[torch.nn.Module], preset: ModelPreset,
     """
     coords = rank_coords()
     records = []
-    for lp in local_params(chunks, preset):
-        if preset.tied and lp.global_name == "output_layer.weight":
+    for lp in local_params(chunks, dims):
+        if dims.tie_word_embeddings and lp.global_name == "output_layer.weight":
             continue
         idx, _ = replica_group(lp, coords)
         if idx:
@@ -153,13 +161,13 @@ def dense_export(chunks: list[torch.nn.Module], preset: ModelPreset,
     if dist.get_rank() != dst:
         return None
     shards = defaultdict(dict)
-    dims = {}
+    split_dim = {}
     for recs in gathered:
         for gname, rank, dim, t in recs:
             shards[gname][rank] = t
-            dims[gname] = dim
+            split_dim[gname] = dim
     out = {}
     for gname, by_rank in shards.items():
-        full = merge_shards(gname, [by_rank[r] for r in sorted(by_rank)], dims[gname])
-        out.update(megatron_to_hf(gname, full, preset))
+        full = merge_shards(gname, [by_rank[r] for r in sorted(by_rank)], split_dim[gname])
+        out.update(megatron_to_hf(gname, full, dims))
     return out

@@ -1,0 +1,236 @@
+"""The trainer source of a Megatron-Core model: what :class:`nemo_dcr.refit.DeltaRefit` reads.
+
+* ``params``: this rank's live params keyed by :attr:`LocalParam.key` (unique over virtual
+  pipeline chunks: ``model{c}.name`` on chunk ``c > 0``).
+* ``ranges``: the flat slice of each param this rank captures.  With Megatron's distributed
+  optimizer (DDP-wrapped chunks with ``use_distributed_optimizer``) it is the slice of the param
+  buffer this DP rank owns and updates (:func:`.ddp.ranges_from_ddp`), so capture reads values the
+  rank wrote itself (immune to ``overlap_param_gather``); otherwise each copy-group of identical
+  params splits them evenly (:func:`.params.capture_ranges`).  The tied output-layer copy is
+  captured by nobody.
+* ``remap``: one layout plan per model chunk (:func:`nemo_dcr.layout.build_chunk_plans`), so chunk
+  ``c`` is remapped with its own layer offsets.
+* ``checksums`` / ``pieces``: partial canonical checksums of the captured slices by a full scan
+  of the live params (the trainer's side of verification; independent of capture baseline and
+  codec), and every captured element as canonical pieces (the first sync).  Both run at memory
+  speed over :class:`Runs`: each captured slice cut into runs that are contiguous both locally and
+  canonically (every transform of the tables keeps the last dim of a row contiguous), found once
+  by remapping the two ends and the middle of every row; a row that does not pass that check is
+  remapped element by element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from nemo_dcr.layout import LayoutError, MegatronSpec, ModelDims, ParallelLayout, build_chunk_plans, chunk_layers
+from nemo_dcr.types import SparseDelta, host_bits, spec_of
+from nemo_dcr.verify.checksum import MASK64, hash_sum
+
+from .params import LocalParam, capture_ranges, local_params, unwrap
+
+_SCAN_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Local flat ``[local, local + length)`` holds canonical ``[canon, canon + length)`` of one tensor."""
+
+    local: np.ndarray
+    canon: np.ndarray
+    length: np.ndarray
+
+    def expand(self, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(local, canonical) flat indices of runs ``lo:hi``."""
+        loc, can, n = self.local[lo:hi], self.canon[lo:hi], self.length[lo:hi]
+        rep = np.repeat(np.arange(n.size), n)
+        k = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        return loc[rep] + k, can[rep] + k
+
+    def chunks(self, elements: int = _SCAN_CHUNK):
+        """Slices of runs holding about ``elements`` elements each."""
+        ends = np.cumsum(self.length)
+        lo = 0
+        while lo < self.length.size:
+            hi = max(lo + 1, int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + elements, side="right")))
+            yield lo, hi
+            lo = hi
+
+
+class MegatronSource:
+    """One rank's chunks as a :class:`~nemo_dcr.refit.source.TrainerSource`.
+
+    Args:
+        chunks: this rank's model chunks (Megatron's model list; DDP-wrapped or not).
+        dims: the model description (see :func:`.describe.dims_from_model`).
+        layout: this rank's parallel layout.
+        spec: the layer spec that built the model.
+        ranges: capture ranges by key (None: from the DDP buffers when the chunks use the
+            distributed optimizer, else an even split per copy-group).
+
+    Raises:
+        LayoutError: the chunks' params or layers differ from the layout plans (names both sides).
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], dims: ModelDims, layout: ParallelLayout,
+                 spec: MegatronSpec = MegatronSpec(), ranges: Mapping[str, tuple[int, int]] | None = None):
+        self.dims, self.layout = dims, layout
+        self.plans = build_chunk_plans(dims.family, dims, layout, spec=spec)
+        if len(self.plans) != len(chunks):
+            raise LayoutError(f"{len(chunks)} model chunks on this rank, the layout expects {len(self.plans)} (vpp)")
+        check_chunks(chunks, self.plans, dims)
+        self.local: dict[str, LocalParam] = {lp.key: lp for lp in local_params(chunks, dims)}
+        dtypes = {lp.param.dtype for lp in self.local.values()}
+        if len(dtypes) != 1:
+            raise LayoutError(f"params of several dtypes {sorted(map(str, dtypes))}: one serving dtype expected")
+        wire = spec_of(dtypes.pop()).name
+        self.params = {k: lp.param for k, lp in self.local.items()}
+        skip = {k for k, lp in self.local.items() if self.plans[lp.chunk].lookup(lp.name).duplicate_of}
+        self.ranges = dict(ranges if ranges is not None else _ddp_ranges(chunks, self.local) or
+                           capture_ranges(list(self.local.values()), skip))
+        for k in skip:
+            self.ranges[k] = (0, 0)
+        self.canonical = {n: (wire, tuple(s)) for n, s in self.plans[0].canonical_shapes().items()}
+        self._runs: dict[str, dict[str, Runs]] = {}
+
+    def remap(self, delta: SparseDelta) -> list[SparseDelta]:
+        """Canonical pieces of one local delta (pure index arithmetic, no gather)."""
+        lp = self.local[delta.name]
+        res = self.plans[lp.chunk].remap(lp.name, torch.from_numpy(delta.positions))
+        out = []
+        for piece in res:
+            sel = piece.selection.numpy()
+            old = None if delta.old_bits is None else delta.old_bits[sel]
+            out.append(SparseDelta(piece.name, delta.dtype, self.canonical[piece.name][1],
+                                   piece.index.numpy().astype(np.int64), delta.new_bits[sel], old))
+        return out
+
+    def runs(self, key: str) -> dict[str, Runs]:
+        """Canonical tensor -> runs of the captured slice of ``key`` (built once, then cached)."""
+        if key not in self._runs:
+            lp, (lo, hi) = self.local[key], self.ranges[key]
+            width = int(lp.param.shape[-1]) if lp.param.dim() else 1
+            self._runs[key] = _row_runs(self.plans[lp.chunk], lp.name, lo, hi, width)
+        return self._runs[key]
+
+    def checksums(self) -> dict[str, int]:
+        """Partial canonical checksums of the captured slices (full scan of the live params)."""
+        sums: dict[str, int] = {}
+        for key in self.ranges:
+            bits = host_bits(self.local[key].param)
+            for name, runs in self.runs(key).items():
+                for lo, hi in runs.chunks():
+                    local, canon = runs.expand(lo, hi)
+                    sums[name] = (sums.get(name, 0) + hash_sum(canon, bits[local])) & MASK64
+        return sums
+
+    def pieces(self) -> list[SparseDelta]:
+        """Every captured element as canonical pieces with zero old bits (the first sync)."""
+        out = []
+        for key in self.ranges:
+            param = self.local[key].param
+            bits, wire = host_bits(param), spec_of(param.dtype)
+            for name, runs in self.runs(key).items():
+                local, canon = runs.expand()
+                order = np.argsort(canon, kind="stable")
+                out.append(SparseDelta(name, wire.name, self.canonical[name][1], canon[order],
+                                       bits[local[order]], np.zeros(canon.size, wire.uint)))
+        return out
+
+
+def _row_runs(plan, name: str, lo: int, hi: int, width: int) -> dict[str, Runs]:
+    """Runs of local ``[lo, hi)``: one per row segment whose ends and middle remap contiguously."""
+    if hi <= lo:
+        return {}
+    first = lo // width * width
+    starts = np.maximum(np.arange(first, hi, width, dtype=np.int64), lo)
+    ends = np.minimum(starts - starts % width + width, hi)
+    probes = [starts, ends - 1, (starts + ends - 1) // 2]
+    where = [_where(plan, name, p) for p in probes]
+    (t0, c0), (t1, c1), (tm, cm) = where
+    ok = (t0 == t1) & (t0 == tm) & (c1 - c0 == ends - 1 - starts) & (cm - c0 == (starts + ends - 1) // 2 - starts)
+    out: dict[str, list] = {}
+    names = plan.lookup(name).targets
+    for t, tname in enumerate(names):
+        sel = ok & (t0 == t)
+        out.setdefault(tname, []).append((starts[sel], c0[sel], (ends - starts)[sel]))
+    for s_, e_ in zip(starts[~ok], ends[~ok]):  # rows the check did not vouch for: element by element
+        idx = torch.arange(int(s_), int(e_), dtype=torch.int64)
+        for piece in plan.remap(name, idx):
+            loc = idx[piece.selection].numpy()
+            out.setdefault(piece.name, []).append((loc, piece.index.numpy(), np.ones(loc.size, np.int64)))
+    runs = {}
+    for tname, parts in out.items():
+        loc, can, n = (np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(3))
+        keep = n > 0
+        runs[tname] = Runs(loc[keep], can[keep], n[keep])
+    return {k: v for k, v in runs.items() if v.length.size}
+
+
+def _where(plan, name: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(target tensor number, canonical index) of each local index; -1 where it maps to nothing."""
+    targets = plan.lookup(name).targets
+    tid = np.full(idx.size, -1, np.int64)
+    can = np.full(idx.size, -1, np.int64)
+    for piece in plan.remap(name, torch.from_numpy(idx)):
+        sel = piece.selection.numpy()
+        tid[sel] = targets.index(piece.name)
+        can[sel] = piece.index.numpy()
+    return tid, can
+
+
+def check_chunks(chunks: list[torch.nn.Module], plans, dims: ModelDims) -> list[list[int]]:
+    """Global layers of each chunk; raise unless megatron built what the plans expect.
+
+    Compares, chunk by chunk, the parameter names megatron built with the plan's names, and the
+    global layer numbers (``layer_number - 1``) with ``chunk_layers``' offsets.
+    """
+    out = []
+    for c, (model, plan) in enumerate(zip((unwrap(m) for m in chunks), plans)):
+        built = {n for n, _ in model.named_parameters()}
+        if built != set(plan.params):
+            raise LayoutError(
+                f"chunk {c}: megatron params not in the layout tables {sorted(built - set(plan.params))[:6]}, "
+                f"table params not built {sorted(set(plan.params) - built)[:6]}")
+        layers = [layer.layer_number - 1 for layer in model.decoder.layers]
+        offset, count = chunk_layers(dims.num_layers, plan.layout, c)
+        if layers != list(range(offset, offset + count)):
+            raise LayoutError(f"chunk {c}: megatron built layers {layers}, the layout expects "
+                              f"{list(range(offset, offset + count))}")
+        out.append(layers)
+    return out
+
+
+def _ddp_ranges(chunks, local: Mapping[str, LocalParam]) -> dict[str, tuple[int, int]] | None:
+    """Capture ranges from DDP buffers when every chunk uses the distributed optimizer."""
+    ddps = [c for c in chunks if getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False)]
+    if not ddps:
+        return None
+    if len(ddps) != len(chunks):
+        raise LayoutError("some chunks use the distributed optimizer and some do not")
+    from .ddp import ranges_from_ddp
+
+    keys = {id(lp.param): k for k, lp in local.items()}
+    out: dict[str, tuple[int, int]] = {}
+    for ddp in ddps:
+        out.update(ranges_from_ddp(ddp, {p: keys[id(p)] for p in ddp.parameters() if id(p) in keys}))
+    return out
+
+
+def source_from_model(model, *, vocab_size: int | None = None, first_stage_layers: int | None = None,
+                      last_stage_layers: int | None = None) -> MegatronSource | None:
+    """The source of megatron-core chunks (a list of GPTModel, possibly wrapped), or None for
+    anything else (so other registered frameworks get their turn)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if not chunks or not all(type(unwrap(c)).__module__.startswith("megatron.") for c in chunks):
+        return None
+    from .build import parallel_layout_from_state
+    from .describe import dims_from_model, layer_spec
+
+    dims = dims_from_model(list(chunks), vocab_size)
+    layout = parallel_layout_from_state(first_stage_layers, last_stage_layers)
+    return MegatronSource(list(chunks), dims, layout, layer_spec(list(chunks)))

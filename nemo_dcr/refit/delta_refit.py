@@ -1,0 +1,288 @@
+"""The post-optimizer-step refit: the one path every entry point drives (docs/refit.md).
+
+Algorithm-agnostic: GRPO, PPO, distillation or any loop calls :meth:`DeltaRefit.step` right
+after ``optimizer.step()`` (or lets :meth:`DeltaRefit.attach_to` do it)::
+
+    refit = DeltaRefit.from_config(cfg.dcr, model, optimizer, engine=engine)  # collective
+    refit.attach()                   # first sync: checksums decide what (if anything) to send
+    for batch in data:
+        loss.backward(); optimizer.step()      # the hook runs refit.step() here
+    refit.close()
+
+Every trainer rank calls :meth:`step` (it is collective).  Per step each rank:
+
+1. **captures** the changed elements of its own slice of its own shard against its baseline of
+   what the engine holds (integer views);
+2. **remaps** them to canonical (HF) names and indices by pure index arithmetic;
+3. **routes** each canonical piece to the trainer rank that owns that tensor (raw arrays, no
+   pickle), which merges the pieces and **encodes** them against its mirror of the engine's bits,
+   so encoding is split over all trainer ranks;
+4. **sends** payload bytes over the configured transport to the engine rank(s), where an
+   :class:`~nemo_dcr.refit.server.EngineServer` applies all parts of the version as one
+   transaction (validate, write with an undo log, verify, commit or roll back);
+5. **verifies** after the acknowledgement: the trainer ranks' partial checksums of their live
+   params, summed over ranks, must equal the engine's; a refusal, a gap or a mismatch triggers a
+   resync of the tensors that differ through the same path;
+6. **commits** its capture baseline only when the engine holds the new version (otherwise the
+   changes accumulate into the next refit).
+
+A resync (first sync of an empty engine, ``full_resync_interval``, ``enabled: false``, recovery)
+is the same protocol at 100% density, in the same kind of transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Sequence
+
+
+from nemo_dcr.apply.placement import placement_from_json
+from nemo_dcr.capture import BaselineStore, capture
+from nemo_dcr.codec.auth import read_key_file
+from nemo_dcr.codec.stats import layer_type
+from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.transport import Envelope, MessageKind
+from nemo_dcr.types import DTYPES, SparseDelta
+from nemo_dcr.verify.checksum import updated_checksum
+
+from .group import TrainerGroup
+from .messages import QUERY_PLACEMENT
+from .mirror import SenderMirror
+from .report import RefitReport
+from .routing import assign_owners
+from .sender import PhaseClock, RefitSender, Tamper, verify_due
+from .server import Engine, EngineServer
+from .source import TrainerSource, source_for
+from .wiring import Wiring, colocated_wiring
+
+
+class DeltaRefit:
+    """Bit-exact delta refit of an engine from a sharded trainer; see the module docstring.
+
+    Args:
+        cfg: the ``dcr`` config block.
+        source: this rank's :class:`~nemo_dcr.refit.source.TrainerSource`.
+        wiring: this rank's transport endpoint, the engines' ranks and the trainer group
+            (see :mod:`nemo_dcr.refit.wiring`).
+        engine: an engine this process hosts (colocated); its server runs in a thread.
+        key: HMAC key of the payloads (default: read from ``cfg.key_file``).
+        model: model name carried in payload headers.
+    """
+
+    def __init__(self, cfg: DcrConfig, source: TrainerSource, wiring: Wiring, engine: Engine | None = None,
+                 key: bytes | None = None, model: str = ""):
+        cfg.validate()
+        self.cfg = cfg
+        self.source = source
+        self.wiring = wiring
+        self.group: TrainerGroup = wiring.group
+        self.key = key if key is not None else (read_key_file(cfg.key_file) if cfg.key_file else None)
+        self.refits = 0
+        self.closed = False
+        sizes = {n: _numel(s) for n, (_, s) in source.canonical.items()}
+        owners = assign_owners(sizes, self.group.size)
+        mirror = SenderMirror({n: source.canonical[n] for n, r in owners.items() if r == self.group.rank})
+        self.sender = RefitSender(cfg, self.key, self.group, wiring.transport, wiring.engine_ranks, owners,
+                                  mirror, model=model)
+        self.store = self._new_store()
+        self._checksums: dict[str, int] = {}
+        self._server: EngineServer | None = None
+        self._thread: threading.Thread | None = None
+        if engine is not None:
+            self._host(engine)
+
+    @classmethod
+    def from_config(cls, cfg: DcrConfig, model: Any, optimizer=None, engine: Engine | None = None, *,
+                    engine_rank: int = 0, wiring: Wiring | None = None, key: bytes | None = None,
+                    **source_options) -> "DeltaRefit":
+        """Build the refit of a model (collective over the trainer ranks).
+
+        Args:
+            cfg: the ``dcr`` block.
+            model: a :class:`TrainerSource`, or a model of a registered framework (megatron-core
+                model chunks: the description is derived from the model itself).
+            optimizer: when given, :meth:`attach_to` runs :meth:`step` after each ``step()``.
+            engine: the engine, on the trainer rank ``engine_rank`` that hosts it (colocated).
+            engine_rank: trainer rank hosting ``engine`` (with the default wiring).
+            wiring: transport and engine ranks (default: :func:`colocated_wiring` of ``cfg``).
+            key: HMAC key (default: ``cfg.key_file``).
+            **source_options: passed to the framework's source builder (e.g. ``vocab_size``).
+        """
+        source = source_for(model, **source_options)
+        if wiring is None:
+            wiring = colocated_wiring(cfg, engine_rank, key if key is not None else _key(cfg))
+        hosted = engine if wiring.hosts_engine else None
+        if engine is not None and hosted is None:
+            raise ValueError(f"an engine was passed on trainer rank {wiring.group.rank}, but the wiring hosts "
+                             f"the engine on rank {engine_rank}")
+        refit = cls(cfg, source, wiring, hosted, key, model=getattr(source, "name", ""))
+        if optimizer is not None:
+            refit.attach_to(optimizer)
+        return refit
+
+    # -- hosting a colocated engine -------------------------------------------------------------
+
+    def _host(self, engine: Engine) -> None:
+        if self.wiring.engine_transport is None:
+            raise ValueError("this rank hosts an engine but the wiring gives it no engine endpoint")
+        self._server = EngineServer(engine, self.wiring.engine_transport, self.wiring.trainer_ranks)
+        self._thread = threading.Thread(target=self._server.serve, name="nemo-dcr-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def server(self) -> EngineServer | None:
+        """The engine server this rank hosts (None elsewhere)."""
+        return self._server
+
+    # -- the refit --------------------------------------------------------------------------------
+
+    def _new_store(self) -> BaselineStore:
+        d = self.cfg.baseline_dir and f"{self.cfg.baseline_dir}/rank{self.group.rank}"
+        return BaselineStore(self.cfg.baseline, d)
+
+    def attach(self) -> RefitReport:
+        """First sync of this trainer with the engine (collective; call once before training).
+
+        Every captured element goes to its owner's mirror; full checksums of both sides decide
+        which tensors (if any) are sent: an engine loaded from the same weights costs no
+        transfer, an empty engine gets everything, a resumed trainer sends what moved.
+
+        Raises:
+            RuntimeError: the engine refused the first sync (its reason is in the message).
+        """
+        t0 = time.perf_counter()
+        clock = PhaseClock()
+        with clock("placement"):
+            self._route_by_placement()
+        with clock("capture"):
+            self.store = self._new_store()
+            for k, p in self.source.params.items():
+                self.store.register(k, p)
+            pieces = self.source.pieces()
+        with clock("checksum"):
+            self._checksums = self.source.checksums()
+        report = self.sender.attach(pieces, self._checksums)
+        if not report.committed:
+            raise RuntimeError(f"the engine refused the first sync: {'; '.join(report.detected)}")
+        report = replace(report, times={**clock.seconds, **report.times})
+        return self._finish(report, None, t0)
+
+    def _route_by_placement(self) -> None:
+        """Ask the engines where they hold each canonical element; route records per engine rank
+        when they hold shards (an engine holding canonical tensors whole reports nothing)."""
+        replies = self.sender.query(QUERY_PLACEMENT)
+        failed = [r.reason for r in replies if not r.ok]
+        if failed:
+            raise RuntimeError(f"engines did not answer the placement query: {failed}")
+        if any(r.placement for r in replies):
+            routes = {e: placement_from_json(r.placement) for e, r in zip(self.wiring.engine_ranks, replies)}
+            self.sender.set_routes(routes)
+
+    def step(self, tamper: Tamper | None = None, base_skew: int = 0) -> RefitReport:
+        """Refit the engine to the trainer's current weights (collective; call after the step).
+
+        Args:
+            tamper: fault injection on outgoing payload envelopes (chaos).
+            base_skew: added to the payload's base version (chaos: version skew).
+        """
+        if self.closed:
+            raise RuntimeError("DeltaRefit.step after close()")
+        t0 = time.perf_counter()
+        self.refits += 1
+        version = self.refits
+        clock = PhaseClock()
+        pieces = self._capture_pieces(version, clock)
+        check, full = verify_due(self.cfg, self.refits)
+        with clock("checksum"):
+            current = self.source.checksums() if full else _moved(self._checksums, pieces)
+        every = self.cfg.full_resync_interval
+        if not self.cfg.enabled or (every and self.refits % every == 0):
+            report = self.sender.resync(pieces, current)
+        else:
+            report = self.sender.refit(pieces, current, full=full, verify=check, tamper=tamper,
+                                       base_skew=base_skew, telemetry=self.cfg.telemetry_encodings)
+        if report.committed:
+            self._checksums = current
+        report = replace(report, times={**clock.seconds, **report.times})
+        return self._finish(report, version, t0)
+
+    def _capture_pieces(self, version: int, clock: PhaseClock) -> list[SparseDelta]:
+        with clock("capture"):
+            deltas = capture(self.source.params, self.store, self.source.ranges, version=version)
+        with clock("remap"):
+            return [p for d in deltas for p in self.source.remap(d)]
+
+    def _finish(self, report: RefitReport, version: int | None, t0: float) -> RefitReport:
+        times = dict(report.times)
+        with PhaseClock(times)("commit"):
+            if report.committed and version is not None:
+                self.store.commit(version)
+        times["total"] = time.perf_counter() - t0 - times.get("telemetry", 0.0)
+        return self._totals(replace(report, times=times))
+
+    def _totals(self, report: RefitReport) -> RefitReport:
+        """Sum this refit's counts over the trainer ranks (every rank gets the same report)."""
+        kinds = sorted({layer_type(n) for n in self.source.canonical})
+        encs = sorted(set(self.cfg.telemetry_encodings) | {self.cfg.encoding})
+        local = [report.changed, report.payload_bytes]
+        local += [report.by_layer_type.get(k, {}).get("changed", 0) for k in kinds]
+        local += [report.bytes_by_encoding.get(e, 0) for e in encs]
+        summed = self.group.sum_ints(local)
+        slowest = self.group.max_floats([report.times.get("total", 0.0)])[0]
+        numel = {k: 0 for k in kinds}
+        dense = 0
+        for n, (dtype, shape) in self.source.canonical.items():
+            numel[layer_type(n)] += _numel(shape)
+            dense += _numel(shape) * DTYPES[dtype].width
+        by_kind = {k: {"changed": summed[2 + i], "numel": numel[k]} for i, k in enumerate(kinds)}
+        sizes = {e: summed[2 + len(kinds) + i] for i, e in enumerate(encs)} if report.mode == "delta" else {}
+        return replace(report, changed=summed[0], payload_bytes=summed[1], numel=sum(numel.values()),
+                       dense_bytes=dense, by_layer_type=by_kind, bytes_by_encoding=sizes,
+                       times={**report.times, "total_slowest_rank": slowest})
+
+    # -- hook and shutdown -------------------------------------------------------------------------
+
+    def attach_to(self, optimizer) -> None:
+        """Run :meth:`step` after every ``optimizer.step()`` (wraps the bound method);
+        the report of the last refit is :attr:`last_report`."""
+        inner = optimizer.step
+
+        def step(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            self.last_report = self.step()
+            return out
+
+        optimizer.step = step
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the hosted engine server (if any) and close the transport (collective)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._thread is not None:
+            t = self.wiring.transport
+            t.send(self.wiring.engine_transport.rank, Envelope(MessageKind.STOP, 0, t.rank))
+            t.flush()
+            self._thread.join(timeout)
+        self.wiring.close(timeout)
+
+
+def _key(cfg: DcrConfig) -> bytes | None:
+    return read_key_file(cfg.key_file) if cfg.key_file else None
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _moved(checksums: dict[str, int], pieces: Sequence[SparseDelta]) -> dict[str, int]:
+    """Partial checksums after ``pieces`` replace their old bits (cost ∝ changes)."""
+    out = dict(checksums)
+    for d in pieces:
+        out[d.name] = updated_checksum(out.get(d.name, 0), d.positions, d.old_bits, d.new_bits)
+    return out

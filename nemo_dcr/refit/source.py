@@ -1,0 +1,69 @@
+"""What the refit path reads from one trainer rank: a :class:`TrainerSource`.
+
+A source is framework-specific (Megatron-Core chunks in ``nemo_dcr.integrations.megatron``,
+canonical tensors handed over by NeMo-RL's export in ``nemo_dcr.integrations.nemo_rl``, a
+stand-in in the tests); the refit path only sees this protocol.
+
+Integrations register a *builder* for the model objects they understand
+(:func:`register_source`); :func:`source_for` turns a user's model into a source, so
+``DeltaRefit.from_config(cfg, model, optimizer)`` works for any registered framework while the
+core never imports one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+import torch
+
+from nemo_dcr.types import SparseDelta
+
+
+@runtime_checkable
+class TrainerSource(Protocol):
+    """One trainer rank's view of the model, in the terms of the refit path."""
+
+    params: Mapping[str, torch.Tensor]
+    """Capture key -> live local tensor (contiguous; a shard of one or more canonical tensors)."""
+    ranges: Mapping[str, tuple[int, int]]
+    """Capture key -> flat ``(start, stop)`` slice this rank captures.  Over all ranks the slices
+    cover every element that maps to a canonical tensor exactly once."""
+    canonical: Mapping[str, tuple[str, tuple[int, ...]]]
+    """Every canonical tensor of the whole model: name -> (wire dtype, shape)."""
+
+    def remap(self, delta: SparseDelta) -> list[SparseDelta]:
+        """A local delta (capture key, local flat positions) as canonical pieces (cost ∝ changes)."""
+
+    def checksums(self) -> dict[str, int]:
+        """Partial layout-independent checksums of the elements this rank captures, by a full
+        scan of the live params (canonical name -> ``sum h(canonical index, bits)`` mod 2**64)."""
+
+    def pieces(self) -> list[SparseDelta]:
+        """Every element this rank captures, as canonical pieces with zero old bits (first sync)."""
+
+
+SourceBuilder = Callable[..., "TrainerSource | None"]
+_BUILDERS: list[tuple[str, SourceBuilder]] = []
+
+
+def register_source(framework: str, builder: SourceBuilder) -> None:
+    """Register ``builder(model, **options)``: a source for models it understands, else None."""
+    if framework not in {f for f, _ in _BUILDERS}:
+        _BUILDERS.append((framework, builder))
+
+
+def source_for(model: Any, **options) -> TrainerSource:
+    """``model`` itself when it is a :class:`TrainerSource`, else the first registered builder's.
+
+    Raises:
+        TypeError: no builder understands ``model``; names the registered frameworks.
+    """
+    if isinstance(model, TrainerSource):
+        return model
+    for _, builder in _BUILDERS:
+        source = builder(model, **options)
+        if source is not None:
+            return source
+    known = ", ".join(f for f, _ in _BUILDERS) or "none (import nemo_dcr.integrations)"
+    raise TypeError(f"no trainer source for a {type(model).__name__}: pass a TrainerSource or a model of a "
+                    f"registered framework ({known})")

@@ -1,0 +1,210 @@
+"""The refit path in one process: DeltaRefit (capture -> remap -> route -> encode -> send) to a
+hosted EngineServer thread over the in-process transport, with faults.
+
+The trainer is the row-shard stand-in (tests/standins/shard_trainer.py) at world 1, so its bf16
+params *are* the canonical tensors: the independent reference every engine tensor is compared
+with (integer views), never the refit's own mirror or checksums.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_dcr.apply import InjectedFault, TensorEngine
+from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.refit import DeltaRefit, colocated_wiring
+from nemo_dcr.refit.routing import merge
+from nemo_dcr.transport import Envelope
+from nemo_dcr.types import SparseDelta, int_view
+from tests.standins.shard_trainer import ShardTrainer
+
+KEY = b"r" * 32
+SHAPES = {"a.weight": (48, 32), "b.weight": (64, 16), "norm.weight": (32,)}
+
+
+def _engine(trainer: ShardTrainer | None = None) -> TensorEngine:
+    """An engine holding zeros, or the trainer's current weights."""
+    tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    if trainer is not None:
+        for n, p in trainer.params.items():
+            tensors[n].copy_(p)
+    return TensorEngine(tensors, key=KEY)
+
+
+def _refit(trainer, engine, **cfg) -> DeltaRefit:
+    c = DcrConfig(transport="inprocess", reply_timeout_s=10, **cfg)
+    return DeltaRefit(c, trainer, colocated_wiring(c, 0, KEY), engine, key=KEY)
+
+
+def _exact(trainer: ShardTrainer, engine: TensorEngine) -> bool:
+    return all(torch.equal(int_view(engine.tensors[n]), int_view(p)) for n, p in trainer.params.items())
+
+
+@pytest.fixture
+def rig():
+    trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
+    engine = _engine()
+    refit = _refit(trainer, engine, full_verify_interval=3)
+    yield trainer, engine, refit
+    refit.close(5)
+
+
+def test_attach_resyncs_an_empty_engine_then_sparse_refits(rig):
+    trainer, engine, refit = rig
+    r = refit.attach()
+    assert r.mode == "attach" and r.committed and r.resynced and _exact(trainer, engine)
+    assert r.payload_bytes > 0 and r.changed == sum(int((int_view(p) != 0).sum()) for p in trainer.params.values())
+    for step in range(1, 5):
+        trainer.step()
+        r = refit.step()
+        assert r.mode == "delta" and r.committed and not r.resynced and r.verified, r.detected
+        assert _exact(trainer, engine) and engine.version == r.version
+        assert 0 < r.changed < sum(p.numel() for p in trainer.params.values())
+        assert set(r.bytes_by_encoding) == {"dcr", "reference"} and r.bytes_by_encoding["dcr"] == r.payload_bytes
+        assert r.verify.full == (step % 3 == 0)
+    r = refit.step()  # nothing changed: an empty delta still moves the version
+    assert r.changed == 0 and r.committed and engine.version == r.version
+
+
+def test_attach_to_an_engine_that_already_holds_the_weights_sends_nothing():
+    trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
+    engine = _engine(trainer)
+    refit = _refit(trainer, engine)
+    try:
+        r = refit.attach()
+        assert r.committed and not r.resynced and r.payload_bytes == 0 and r.verified
+        trainer.step()
+        assert refit.step().committed and _exact(trainer, engine)
+    finally:
+        refit.close(5)
+
+
+def _drop(envs):
+    return envs[1:]
+
+
+def _corrupt_records(envs):  # a byte of the record area, not the MAC: the codec's own checks refuse it
+    out = []
+    for e in envs:
+        body = bytearray(e.body)
+        body[len(body) // 2] ^= 0x5A
+        out.append(Envelope(e.kind, e.version, e.sender, e.part, e.last, bytes(body)))
+    return out
+
+
+@pytest.mark.parametrize("fault", ["drop", "corrupt", "crash", "skew"])
+def test_faults_are_detected_and_recovered(rig, fault):
+    trainer, engine, refit = rig
+    refit.attach()
+    trainer.step()
+    kw = {}
+    if fault == "drop":
+        kw["tamper"] = _drop
+    elif fault == "corrupt":
+        kw["tamper"] = _corrupt_records
+    elif fault == "skew":
+        kw["base_skew"] = 1
+    else:
+        def crash(name):  # once, in the middle of the delta's transaction
+            if name == "b.weight":
+                engine.fault = None
+                raise InjectedFault("crash after writing b.weight")
+        engine.fault = crash
+    before = engine.version
+    r = refit.step(**kw)
+    assert r.detected and r.resynced and r.committed, r
+    assert engine.version > before and _exact(trainer, engine)
+    trainer.step()
+    r = refit.step()
+    assert r.mode == "delta" and r.committed and not r.resynced and _exact(trainer, engine)
+
+
+def test_a_silent_bit_flip_in_the_engine_is_found_by_the_full_scan_and_repaired():
+    trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
+    engine = _engine()
+    refit = _refit(trainer, engine, full_verify_interval=1)
+    try:
+        refit.attach()
+        int_view(engine.tensors["a.weight"])[3] ^= 1  # memory flips a bit; no checksum saw it
+        trainer.step()
+        r = refit.step()
+        assert r.resynced and any("a.weight" in d for d in r.detected) and _exact(trainer, engine)
+    finally:
+        refit.close(5)
+
+
+def test_trainer_resume_attaches_by_checksums_and_resyncs_only_what_moved():
+    trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
+    engine = _engine()
+    refit = _refit(trainer, engine)
+    refit.attach()
+    saved = trainer.state()
+    for _ in range(2):
+        trainer.step()
+        refit.step()
+    refit.close(5)
+    trainer.load(saved)  # the trainer restarts from an older checkpoint, in a new refit object
+    again = _refit(trainer, engine)
+    try:
+        r = again.attach()
+        assert r.resynced and r.committed and _exact(trainer, engine)
+        assert any("differ at (re)start" in d for d in r.detected)
+        trainer.step()
+        assert again.step().committed and _exact(trainer, engine)
+    finally:
+        again.close(5)
+
+
+def test_forced_resync_interval_and_disabled_delta():
+    trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
+    for cfg, expect in (({"full_resync_interval": 2}, ["delta", "resync", "delta", "resync"]),
+                        ({"enabled": False}, ["resync"] * 4)):
+        engine = _engine()
+        refit = _refit(trainer, engine, **cfg)
+        try:
+            refit.attach()
+            modes = []
+            for _ in range(4):
+                trainer.step()
+                r = refit.step()
+                modes.append(r.mode)
+                assert r.committed and _exact(trainer, engine)
+            assert modes == expect
+        finally:
+            refit.close(5)
+
+
+def test_attach_to_optimizer_runs_a_refit_after_each_step(rig):
+    trainer, engine, refit = rig
+    refit.attach()
+
+    class Opt:
+        def step(self):
+            trainer.step()
+            return "stepped"
+
+    opt = Opt()
+    refit.attach_to(opt)
+    assert opt.step() == "stepped" and refit.last_report.committed and _exact(trainer, engine)
+
+
+def test_merge_sorts_and_refuses_overlap():
+    a = SparseDelta("t", "bf16", (10,), np.array([5, 7]), np.array([1, 2], np.uint16), np.array([0, 0], np.uint16))
+    b = SparseDelta("t", "bf16", (10,), np.array([1]), np.array([3], np.uint16), np.array([0], np.uint16))
+    m = merge([a, b])
+    assert m[0].positions.tolist() == [1, 5, 7] and m[0].new_bits.tolist() == [3, 1, 2]
+    with pytest.raises(ValueError, match="captured twice"):
+        merge([a, a])
+
+
+def test_owners_balance_by_size_and_pack_roundtrips():
+    from nemo_dcr.refit.routing import assign_owners, pack, unpack
+
+    assert assign_owners({"x": 100, "y": 60, "z": 50}, 2) == {"x": 0, "y": 1, "z": 1}
+    d = SparseDelta("x", "bf16", (8, 4), np.array([1, 9, 30]), np.array([7, 8, 9], np.uint16),
+                    np.array([1, 2, 3], np.uint16))
+    back = unpack(pack([d]))[0]
+    assert back.positions.tolist() == [1, 9, 30] and back.new_bits.tolist() == [7, 8, 9]
+    assert back.old_bits.tolist() == [1, 2, 3] and back.shape == (8, 4) and back.dtype == "bf16"
