@@ -79,7 +79,7 @@ def bench(family: str, dims: ModelDims, layout: ParallelLayout, density: float,
     return dict(shard_mb=shard_bytes / 1e6, changed=changed, remapped=nnz,
                 capture_mb_s=shard_bytes / 1e6 / min(cap_s),
                 remap_melem_s=changed / 1e6 / min(rem_s),
-                max_alloc_vs_shard=tracker.max_numel * 2 / shard_bytes,
+                max_alloc_vs_shard=tracker.max_bytes / shard_bytes,
                 rss_growth_vs_shard=(_rss_peak_bytes() - rss0) / shard_bytes)
 
 

@@ -2,10 +2,10 @@
 
 Launches its own gloo processes on CPU (``torchrun`` running
 :mod:`nemo_dcr.integrations.megatron.check`), builds the megatron-core model at the requested
-layout, runs a few optimizer steps (real AdamW where megatron-core can train on CPU, Adam-like
-updates of the fp32 masters for MoE/MLA and for virtual pipeline, whose check needs no
-pipeline forward), and reports whether the sparse remap of every
-captured change is bit-exact against a dense export, tensor by tensor.
+layout, and runs the refit path (``DeltaRefit``: a full first sync into an empty engine, then a
+delta refit after each of a few optimizer steps: real AdamW where megatron-core can train on
+CPU, Adam-like updates of the fp32 masters for MoE/MLA and for virtual pipeline); after every
+refit the engine is compared bitwise with an independent dense export, tensor by tensor.
 
 Impossible layouts are rejected before anything is launched.
 """
@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--last-stage-layers", type=int, default=None,
                    help="uneven pipeline: layers on the last stage")
     p.add_argument("--dp", type=int, default=1, help="data parallel size")
+    p.add_argument("--ddp", action="store_true",
+                   help="wrap the model in megatron DDP with the distributed optimizer (capture its slices)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps to check")
     p.add_argument("--layers", type=int, default=None, help="override the model's layers")
     p.add_argument("--timeout", type=int, default=900, help="seconds before giving up")
@@ -48,11 +50,9 @@ def register(subparsers) -> None:
 
 def _validate(args) -> int:
     """World size after checking the layout against the model; raises LayoutError."""
-    from nemo_dcr.integrations.megatron import build as am
-    from nemo_dcr.layout import LayoutError, ParallelLayout
+    from nemo_dcr.layout import LayoutError, ParallelLayout, model_dims
 
-    preset = am.PRESETS[MODELS[args.model]]
-    dims = am.model_dims(am.with_layers(preset, args.layers) if args.layers else preset)
+    dims = model_dims(MODELS[args.model], args.layers)
     etp = args.etp if args.etp is not None else (args.tp if dims.num_experts else 1)
     first, last = args.first_stage_layers, args.last_stage_layers
     if (first is not None or last is not None) and args.pp < 2:
@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
         out = os.path.join(tmp, "result.json")
         cmd = _command(args, world, out)
         if args.model == "smollm2":
-            from nemo_dcr.integrations.megatron.convert import save_smollm2_state
+            from nemo_dcr.integrations.hf.model import save_embedded_checkpoint
 
-            save_smollm2_state(os.path.join(tmp, "hf_state.pt"))
-            cmd += ["--hf-state", os.path.join(tmp, "hf_state.pt")]
+            save_embedded_checkpoint(os.path.join(tmp, "model.safetensors"))
+            cmd += ["--checkpoint", os.path.join(tmp, "model.safetensors")]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=args.timeout)
@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                   elements_checked=result["elements_checked"], layout=result["layout"],
                   non_bit_exact=result["bad"], training=result["training"],
                   updates=result["updates"], forward=result["forward"],
-                  stage_chunk_layers=result["stage_chunk_layers"], steps=result["steps"])
+                  stage_chunk_layers=result["stage_chunk_layers"], steps=result["steps"],
+                  attach=result["attach"], ddp=result["ddp"])
     print(json.dumps(report, indent=1) if args.json else _text(args.model, report))
     return 0 if report["bit_exact"] else 1
 
@@ -122,6 +123,8 @@ def _command(args, world: int, out: str) -> list[str]:
         cmd += ["--etp", str(args.etp)]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
+    if args.ddp:
+        cmd += ["--ddp"]
     return cmd
 
 

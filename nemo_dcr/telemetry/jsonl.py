@@ -9,8 +9,9 @@ Line schema (``schema`` = 1)::
      "times": {"capture": 0.4, "remap": 0.2, ..., "total": 2.1}, "dense_refit_s": 6.0,
      "verified": true, "bit_exact": true, "error": null}
 
-``times`` are the engine rank's phase times of the delta refit; ``dense_refit_s`` is a dense
-refit (gather + convert + load) of the same weights timed in the same step.
+``times`` are the reporting trainer rank's phase times of the refit (``total_slowest_rank``: the
+slowest rank's total); ``dense_refit_s`` is a dense refit (gather + convert + load) of the same
+weights timed in the same step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ SCHEMA = 1
 
 
 def step_record(step: int, report, **extra) -> dict:
-    """The JSON line of one step from a :class:`nemo_dcr.hook.RefitReport` plus ``extra``.
+    """The JSON line of one step from a :class:`nemo_dcr.refit.RefitReport` plus ``extra``.
 
     Args:
         step: training step (1-based).
@@ -39,7 +40,8 @@ def step_record(step: int, report, **extra) -> dict:
         "bytes": {**report.bytes_by_encoding, "dense": report.dense_bytes},
         "payload_bytes": report.payload_bytes,
         "times": {k: round(v, 6) for k, v in report.times.items()},
-        "verified": report.verified, "error": report.error, **extra,
+        "verified": report.verified, "error": report.error, "committed": report.committed,
+        "resynced": report.resynced, "detected": list(report.detected), **extra,
     }
 
 

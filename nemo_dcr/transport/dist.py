@@ -56,6 +56,7 @@ class DistTransport:
         self.device = device
         self.bytes_sent = 0
         self._inflight: deque = deque()
+        self._send_lock = threading.Lock()  # sends may come from several threads (a hosted engine's server)
         self._box: list = []
         self._cond = threading.Condition()
         self._receiver: threading.Thread | None = None
@@ -69,18 +70,21 @@ class DistTransport:
         self._inflight.append((self.pg.send([tensor], dst, _TAG), tensor))
 
     def send(self, dst: int, env: Envelope) -> None:
-        """Queue ``env`` for ``dst``; returns once its last chunk is posted."""
+        """Queue ``env`` for ``dst``; returns once its last chunk is posted (thread-safe: the
+        chunks of one envelope are never interleaved with another's)."""
         data = (env if env.receiver >= 0 else replace(env, receiver=dst)).to_bytes()
-        self._post(torch.tensor([len(data), self.chunk_bytes], dtype=torch.int64), dst)
-        for s in range(0, len(data), self.chunk_bytes):
-            chunk = torch.frombuffer(bytearray(data[s:s + self.chunk_bytes]), dtype=torch.uint8)
-            self._post(chunk.to(self.device), dst)
-        self.bytes_sent += len(env.body)
+        with self._send_lock:
+            self._post(torch.tensor([len(data), self.chunk_bytes], dtype=torch.int64), dst)
+            for s in range(0, len(data), self.chunk_bytes):
+                chunk = torch.frombuffer(bytearray(data[s:s + self.chunk_bytes]), dtype=torch.uint8)
+                self._post(chunk.to(self.device), dst)
+            self.bytes_sent += len(env.body)
 
     def flush(self) -> None:
         """Wait for every posted send."""
-        while self._inflight:
-            self._inflight.popleft()[0].wait()
+        with self._send_lock:
+            while self._inflight:
+                self._inflight.popleft()[0].wait()
 
     def _receive_loop(self) -> None:
         while not self._peers or not self._peers <= self._closed_by:

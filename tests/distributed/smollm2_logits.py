@@ -1,6 +1,6 @@
 """torchrun worker: SmolLM2 loaded from HF into megatron TP x PP; logits vs HF fp32 logits.
 
-Args: ``--hf-state`` (torch.save'd fp32 HF state dict), ``--hf-logits`` ([1, seq, vocab]
+Args: ``--checkpoint`` (fp32 HF weights, safetensors), ``--hf-logits`` ([1, seq, vocab]
 fp32 logits of the HF model for ``--hf-tokens``), ``--tp``, ``--pp``, ``--out`` (JSON).
 Activations are passed between the pipeline stages with send/recv by hand.
 """
@@ -13,24 +13,26 @@ import json
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.checkpoint import load_checkpoint
 from nemo_dcr.integrations.megatron import build as am
 from nemo_dcr.integrations.megatron.params import load_hf
 from nemo_dcr.integrations.megatron.train import pipeline_logits
+from nemo_dcr.layout import model_dims
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    for k in ("hf_state", "hf_logits", "hf_tokens", "out"):
+    for k in ("checkpoint", "hf_logits", "hf_tokens", "out"):
         p.add_argument("--" + k.replace("_", "-"), required=True)
     p.add_argument("--tp", type=int, default=3)
     p.add_argument("--pp", type=int, default=2)
     args = p.parse_args()
     am.init_distributed(args.tp, args.pp, etp=1)
-    preset = am.PRESETS["smollm2"]
-    chunks = am.build_gpt_model(preset, torch.float32)
-    loaded = load_hf(chunks, torch.load(args.hf_state, mmap=True), preset)
+    dims = model_dims("smollm2")
+    chunks = am.build_gpt_model(dims, torch.float32)
+    loaded = load_hf(chunks, load_checkpoint(args.checkpoint), dims)
     tokens = torch.load(args.hf_tokens)
-    logits = pipeline_logits(chunks[0], tokens, preset.hidden, torch.float32, preset.vocab)
+    logits = pipeline_logits(chunks[0], tokens, dims.hidden_size, torch.float32, dims.vocab_size)
     if logits is not None and dist.get_rank() == dist.get_world_size() - 1:
         ref = torch.load(args.hf_logits)
         got = logits.transpose(0, 1) if logits.shape[0] != ref.shape[0] else logits

@@ -2,8 +2,9 @@
 
 (a) Megatron's forward logits (activations passed between stages by send/recv) match the HF
     model's fp32 logits: this proves the dense HF -> megatron conversion.
-(b) Real AdamW steps (fp32 masters copied back into bf16): captured + remapped sparse deltas
-    applied to an HF copy equal the dense export bitwise, with no model-sized allocation.
+(b) Real AdamW steps (fp32 masters copied back into bf16): the refit path (a full first sync into
+    an empty engine, then delta refits) leaves the engine equal to the dense export bitwise, with
+    no model-sized allocation.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from launch import torchrun
+
+from nemo_dcr.checkpoint import save_checkpoint
 from test_megatron_layouts import check_result
 
 pytestmark = pytest.mark.distributed
@@ -32,7 +35,7 @@ def hf_files(tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=GGUF, dtype=torch.float32)
     d = tmp_path_factory.mktemp("smollm2")
-    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, d / "hf_state.pt")
+    save_checkpoint({k: v.contiguous() for k, v in model.state_dict().items()}, d / "model.safetensors")
     tokens = torch.randint(0, model.config.vocab_size, (1, 12),
                            generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -45,7 +48,7 @@ def hf_files(tmp_path_factory):
 def test_megatron_logits_match_hf(hf_files, tmp_path):
     out = tmp_path / "logits.json"
     r = torchrun(["tests/distributed/smollm2_logits.py", "--tp", "3", "--pp", "2",
-                  "--hf-state", str(hf_files / "hf_state.pt"),
+                  "--checkpoint", str(hf_files / "model.safetensors"),
                   "--hf-logits", str(hf_files / "logits.pt"),
                   "--hf-tokens", str(hf_files / "tokens.pt"), "--out", str(out)], 6, out)
     assert r["shape"] == [1, 12, 49152]
@@ -57,6 +60,6 @@ def test_capture_remap_bit_exact_after_adamw(hf_files, tmp_path):
     out = tmp_path / "capture.json"
     r = torchrun(["-m", "nemo_dcr.integrations.megatron.check", "--model", "smollm2", "--tp", "3",
                   "--pp", "2", "--steps", "2", "--tokens", "8",
-                  "--hf-state", str(hf_files / "hf_state.pt"), "--out", str(out)], 6, out)
+                  "--checkpoint", str(hf_files / "model.safetensors"), "--out", str(out)], 6, out)
     check_result(r)
     assert r["training"] == "real AdamW" and r["tensors"] == 272

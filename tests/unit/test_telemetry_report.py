@@ -7,19 +7,20 @@ import json
 import pytest
 
 from nemo_dcr.cli import main
-from nemo_dcr.hook import RefitReport
+from nemo_dcr.refit import RefitReport
 from nemo_dcr.telemetry import TelemetryWriter, read_steps, step_record
 from nemo_dcr.telemetry.report import markdown, totals, write_report
+from nemo_dcr.verify.report import VerifyReport
 
 
 def _run(tmp_path, n=3):
     w = TelemetryWriter(tmp_path)
     for step in range(1, n + 1):
-        r = RefitReport(step, "delta", changed=1000 * step, numel=100_000, payload_bytes=700 * step,
+        r = RefitReport(step, "delta", True, changed=1000 * step, numel=100_000, payload_bytes=700 * step,
                         dense_bytes=200_000, bytes_by_encoding={"dcr": 700 * step, "reference": 2000 * step},
                         by_layer_type={"mlp": {"changed": 600 * step, "numel": 60_000},
                                        "norms": {"changed": 1, "numel": 40_000}},
-                        times={"capture": 0.1, "apply": 0.2, "total": 0.3}, verified=True)
+                        times={"capture": 0.1, "apply": 0.2, "total": 0.3}, verify=VerifyReport(step, False, 2))
         w.write(step_record(step, r, reward=0.1 * step, loss=0.0, bit_exact=True, dense_refit_s=1.0))
     return tmp_path
 

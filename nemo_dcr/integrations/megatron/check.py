@@ -1,22 +1,21 @@
-"""Worker run under torchrun: train a few steps, capture + sparse remap vs dense export.
+"""Worker run under torchrun: the refit path on real megatron-core shards vs a dense export.
 
 Launched by ``nemo-dcr check-layout`` and by ``tests/distributed``::
 
-    torchrun --nproc-per-node 4 -m nemo_dcr.integrations.megatron.check \
+    torchrun --nproc-per-node 4 -m nemo_dcr.integrations.megatron.check \\
         --model dense-tiny --tp 2 --pp 2 --steps 2 --out result.json
-    torchrun --nproc-per-node 4 -m nemo_dcr.integrations.megatron.check \
-        --model dense-tiny --tp 2 --pp 2 --vpp 2 --out result.json
 
-With virtual pipeline (``--vpp > 1``) every rank builds its ``vpp`` model chunks, loads all of
-them, captures every chunk and remaps each with its own plan (``build_chunk_plans``).  The
-CPU pipeline driver runs one chunk per stage, so the fp32 masters of all chunks are driven by
-Adam-like updates (``updates: "adam_like"``): the layout check needs changed bits in every
-chunk, not a forward pass.
+Every rank builds its chunks (``--vpp`` chunks per rank with virtual pipeline), optionally wraps
+them in megatron's ``DistributedDataParallel`` with the distributed optimizer (``--ddp``: capture
+ranges then come from the DDP buffers), and runs :class:`nemo_dcr.refit.DeltaRefit` built by
+``DeltaRefit.from_config`` from the model itself, into an engine hosted by rank 0 that starts
+empty: the first sync is a full resync through the path, every step a delta refit.  After each
+refit the engine's tensors are compared bitwise (integer views) with an independent dense export
+(gather + whole-tensor conversion, :mod:`.convert`).  Rank 0 writes the JSON result.
 
-Every rank captures its own slice of its own shard, remaps the changed elements with the
-layout plan (no gather), and sends only the sparse canonical records to rank 0, which applies
-them to an HF copy and compares it bitwise (int16 views) with a dense export.  Rank 0 writes
-the JSON result.
+MoE and MLA presets and virtual pipeline drive the fp32 masters with Adam-like updates (the CPU
+pipeline driver runs one chunk per stage and megatron's local MoE/MLA forward does not run on CPU
+at these layouts); dense models without virtual pipeline train with real AdamW steps.
 """
 
 from __future__ import annotations
@@ -24,173 +23,130 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.integrations.megatron import build as am
-from nemo_dcr.integrations.megatron.memory import AllocationTracker
-from nemo_dcr.integrations.megatron.params import capture_ranges, dense_export, load_hf, local_params
-from nemo_dcr.integrations.megatron.train import MasterAdamW, pipeline_forward_backward
-from nemo_dcr.capture import BaselineStore, capture
+from nemo_dcr.apply import TensorEngine
+from nemo_dcr.checkpoint import load_checkpoint
+from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.layout import MODELS, model_dims
+from nemo_dcr.refit import DeltaRefit
 from nemo_dcr.types import int_view
+
+from . import build as am
+from .memory import AllocationTracker
+from .params import dense_export, load_hf, local_params
+from .source import check_chunks, source_from_model
+from .train import MasterAdamW, pipeline_forward_backward
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="dense-tiny", choices=sorted(am.PRESETS))
-    p.add_argument("--layers", type=int, default=None, help="override the preset's layers")
+    p.add_argument("--model", default="dense-tiny", choices=sorted(MODELS))
+    p.add_argument("--layers", type=int, default=None, help="override the model's layers")
     for k in ("tp", "pp", "ep", "vpp"):
         p.add_argument(f"--{k}", type=int, default=1)
     p.add_argument("--etp", type=int, default=None)
-    p.add_argument("--first-stage-layers", type=int, default=None,
-                   help="uneven pipeline: layers on the first stage")
-    p.add_argument("--last-stage-layers", type=int, default=None,
-                   help="uneven pipeline: layers on the last stage")
+    p.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline: layers on the first stage")
+    p.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline: layers on the last stage")
+    p.add_argument("--ddp", action="store_true", help="wrap chunks in megatron DDP with the distributed optimizer")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (real steps)")
     p.add_argument("--update-lr", type=float, default=2e-5, help="Adam-like update size")
     p.add_argument("--train", choices=("auto", "real", "adam-like"), default="auto")
-    p.add_argument("--hf-state", default=None, help="torch.save'd HF state dict to load")
+    p.add_argument("--encoding", default="dcr", choices=("dcr", "reference", "raw"))
+    p.add_argument("--checkpoint", default=None, help="HF weights (safetensors) to load")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
 
-def _remap(plans, params, deltas):
-    """Sparse canonical records (name, flat idx, bits) of this rank's deltas.
+def _wrap_ddp(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Megatron DDP with the distributed optimizer around every chunk (buffers on this device)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    Deltas are keyed by :attr:`LocalParam.key`; each is remapped by its chunk's plan.
-    """
-    by_name = {lp.key: lp for lp in params}
-    records = []
-    for d in deltas:
-        lp = by_name[d.name]
-        res = plans[lp.chunk].remap(lp.name, torch.from_numpy(d.positions))
-        bits = torch.from_numpy(d.new_bits.view("int16"))
-        for piece in res:
-            records.append((piece.name, piece.index, bits[piece.selection]))
-    return records
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                        overlap_grad_reduce=False, bucket_size=1 << 14)
+    return [DistributedDataParallel(c.config, cfg, c) for c in chunks]
 
 
-def _check_chunks(chunks, plans, preset) -> list[list[int]]:
-    """Global layers of each chunk; raise unless megatron built what the plans expect.
-
-    Compares, chunk by chunk, the parameter names megatron built with the plan's names, and
-    the global layer numbers (``layer_number - 1``) with ``chunk_layers``' offsets.
-    """
-    from nemo_dcr.layout import chunk_layers
-
-    out = []
-    for c, (model, plan) in enumerate(zip(chunks, plans)):
-        built = {n for n, _ in model.named_parameters()}
-        if built != set(plan.params):
-            raise RuntimeError(
-                f"chunk {c}: megatron params not in the plan {sorted(built - set(plan.params))}, "
-                f"plan params not built {sorted(set(plan.params) - built)}")
-        layers = [layer.layer_number - 1 for layer in model.decoder.layers]
-        offset, count = chunk_layers(preset.layers, plan.layout, c)
-        if layers != list(range(offset, offset + count)):
-            raise RuntimeError(f"chunk {c}: megatron built layers {layers}, the plan expects "
-                               f"{list(range(offset, offset + count))}")
-        out.append(layers)
-    return out
+def _compare(engine: TensorEngine | None, ref: dict | None) -> list[str]:
+    if engine is None:
+        return []
+    live = engine.tensors
+    bad = [n for n in ref if n not in live or not torch.equal(int_view(live[n]), int_view(ref[n]))]
+    return bad + [n for n in live if n not in ref]
 
 
-def _apply(hf: dict, records_per_rank) -> int:
-    n = 0
-    for records in records_per_rank:
-        for name, idx, bits in records:
-            int_view(hf[name])[idx] = bits
-            n += int(idx.numel())
-    return n
+def _empty_engine(source) -> TensorEngine:
+    from nemo_dcr.types import DTYPES
+
+    return TensorEngine({n: torch.zeros(s, dtype=DTYPES[d].torch_dtype) for n, (d, s) in source.canonical.items()})
 
 
-def _compare(hf: dict, ref: dict) -> list[str]:
-    bad = [k for k in ref if k not in hf or not torch.equal(int_view(hf[k]), int_view(ref[k]))]
-    return bad + [k for k in hf if k not in ref]
+def _train(args, dims, chunks, real: bool, opt, gen, step: int) -> None:
+    if real:
+        tokens = torch.randint(0, dims.vocab_size, (1, args.tokens + 1), generator=gen)
+        pipeline_forward_backward(chunks[0], tokens[:, :-1], tokens[:, 1:], dims.hidden_size, torch.bfloat16)
+        opt.step()
+    else:
+        opt.adam_like_update(step, lr=args.update_lr)
 
 
 def run(args) -> dict:
-    preset = am.PRESETS[args.model]
-    # megatron defaults expert-TP to TP; a dense model has no experts, so pin it to 1
-    etp = args.etp or (args.tp if preset.num_experts else 1)
+    dims = model_dims(args.model, args.layers)
+    etp = args.etp or (args.tp if dims.num_experts else 1)  # dense models: expert-TP 1
     am.init_distributed(args.tp, args.pp, args.ep, etp, vpp=args.vpp)
-    if args.layers:
-        preset = am.with_layers(preset, args.layers)
-    uneven = dict(first_stage_layers=args.first_stage_layers,
-                  last_stage_layers=args.last_stage_layers)
-    chunks = am.build_gpt_model(preset, torch.bfloat16, vpp=args.vpp, **uneven)
-    if args.hf_state:
-        load_hf(chunks, torch.load(args.hf_state, mmap=True), preset)
-    from nemo_dcr.layout import build_chunk_plans
-
-    layout = am.parallel_layout_from_state(**uneven)
-    plans = build_chunk_plans(preset.family, am.model_dims(preset), layout)
-    if len(plans) != len(chunks):
-        raise RuntimeError(f"{len(chunks)} model chunks but {len(plans)} layout plans")
-    chunk_layers = _check_chunks(chunks, plans, preset)
-    params = local_params(chunks, preset)
-    skip = {lp.key for lp in params if plans[lp.chunk].lookup(lp.name).duplicate_of}
-    ranges = capture_ranges(params, skip)
-    store = BaselineStore("device")
-    for lp in params:
-        store.register(lp.key, lp.param)
-    hf = dense_export(chunks, preset)
-    # the CPU pipeline driver runs one chunk per stage: no training forward with vpp > 1
-    trainable = not preset.num_experts and len(chunks) == 1
+    uneven = dict(first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+    chunks = am.build_gpt_model(dims, torch.bfloat16, vpp=args.vpp, **uneven)
+    if args.checkpoint:
+        load_hf(chunks, load_checkpoint(args.checkpoint), dims)
+    if args.ddp:
+        chunks = _wrap_ddp(chunks)
+    source = source_from_model(chunks, vocab_size=dims.vocab_size, **uneven)
+    stage_layers = check_chunks(chunks, source.plans, dims)
+    engine = _empty_engine(source) if dist.get_rank() == 0 else None
+    refit = DeltaRefit.from_config(DcrConfig(encoding=args.encoding, full_verify_interval=1), source,
+                                   engine=engine, engine_rank=0)
+    trainable = not dims.num_experts and len(chunks) == 1 and not args.ddp
     if args.train == "real" and not trainable:
-        raise SystemExit("--train real: needs a dense model and vpp == 1 on CPU")
+        raise SystemExit("--train real: needs a dense model, vpp == 1 and no --ddp on CPU")
     real = args.train == "real" or (args.train == "auto" and trainable)
-    opt = MasterAdamW(params, preset.tied, lr=args.lr)
-    gen = torch.Generator().manual_seed(0)
+    opt = MasterAdamW(local_params(chunks, dims), dims.tie_word_embeddings, lr=args.lr)
+    layout = source.layout
     sizes = {k: getattr(layout, k) for k in ("tp", "pp", "vpp", "ep", "etp", "dp")}
-    for k in ("first_stage_layers", "last_stage_layers"):
-        if uneven[k] is not None:
-            sizes[k] = uneven[k]
-    result = dict(model=args.model, layout=sizes, layers=preset.layers,
-                  chunks_per_rank=len(chunks),
-                  training="real AdamW" if real else "Adam-like updates of the fp32 masters",
-                  updates="adamw" if real else "adam_like",
-                  forward="pipeline forward/backward" if real else
-                  "none (not needed for the layout check)", steps=[], bad=[])
-    tracker = AllocationTracker()
-    shard_numel = sum(lp.param.numel() for lp in params)
+    sizes.update({k: v for k, v in uneven.items() if v is not None})
+    result = dict(model=args.model, layout=sizes, layers=dims.num_layers, chunks_per_rank=len(chunks),
+                  ddp=args.ddp, training="real AdamW" if real else "Adam-like updates of the fp32 masters",
+                  updates="adamw" if real else "adam_like", encoding=args.encoding,
+                  forward="pipeline forward/backward" if real else "none (not needed for the layout check)",
+                  steps=[], bad=[])
+    attach = refit.attach()
+    result["bad"] = _compare(engine, dense_export(chunks, dims))
+    result["attach"] = dict(resynced=attach.resynced, payload_bytes=attach.payload_bytes)
+    tracker, gen = AllocationTracker(), torch.Generator().manual_seed(0)
     for step in range(1, args.steps + 1):
-        if real:
-            tokens = torch.randint(0, preset.vocab, (1, args.tokens + 1), generator=gen)
-            pipeline_forward_backward(chunks[0], tokens[:, :-1], tokens[:, 1:], preset.hidden,
-                                      torch.bfloat16)
-            opt.step()
-        else:
-            opt.adam_like_update(step, lr=args.update_lr)
-        t0 = time.perf_counter()
+        _train(args, dims, chunks, real, opt, gen, step)
         with tracker:
-            deltas = capture({lp.key: lp.param for lp in params}, store, ranges, version=step)
-            records = _remap(plans, params, deltas)
-        elapsed = time.perf_counter() - t0
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(records, gathered, dst=0)
-        ref = dense_export(chunks, preset)
-        store.commit(step)
-        if dist.get_rank() == 0:
-            applied = _apply(hf, gathered)
-            bad = _compare(hf, ref)
-            result["bad"] = sorted(set(result["bad"]) | set(bad))
-            result["steps"].append(dict(step=step, changed=applied, capture_remap_s=elapsed,
-                                        density=applied / sum(t.numel() for t in ref.values())))
+            report = refit.step()
+        bad = _compare(engine, dense_export(chunks, dims))
+        result["bad"] = sorted(set(result["bad"]) | set(bad))
+        result["steps"].append(dict(step=step, changed=report.changed, density=report.density, mode=report.mode,
+                                    committed=report.committed, payload_bytes=report.payload_bytes,
+                                    seconds=report.times["total"]))
+    refit.close()
     stats = [None] * dist.get_world_size()
-    dist.all_gather_object(stats, dict(max_alloc_numel=tracker.max_numel, shard_numel=shard_numel,
-                                       pp_rank=layout.pp_rank, chunk_layers=chunk_layers))
-    if dist.get_rank() == 0:
-        total = sum(t.numel() for t in hf.values())
-        result.update(
-            bit_exact=not result["bad"], tensors=len(hf), elements_checked=total * args.steps,
-            model_numel=total, max_alloc_numel=max(s["max_alloc_numel"] for s in stats),
-            max_shard_numel=max(s["shard_numel"] for s in stats),
-            stage_chunk_layers={str(s["pp_rank"]): s["chunk_layers"] for s in stats},
-        )
+    shard = sum(p.numel() * p.element_size() for p in source.params.values())
+    dist.all_gather_object(stats, dict(torch_bytes=tracker.max_bytes, shard_bytes=shard,
+                                       pp_rank=layout.pp_rank, chunk_layers=stage_layers))
+    numel = {n: int(torch.tensor(s).prod()) for n, (_, s) in source.canonical.items()}
+    width = next(iter(source.params.values())).element_size()
+    result.update(bit_exact=not result["bad"], tensors=len(numel), elements_checked=sum(numel.values()) * args.steps,
+                  model_bytes=sum(numel.values()) * width, max_tensor_bytes=max(numel.values()) * width,
+                  max_torch_alloc_bytes=max(s["torch_bytes"] for s in stats),
+                  max_shard_bytes=max(s["shard_bytes"] for s in stats),
+                  stage_chunk_layers={str(s["pp_rank"]): s["chunk_layers"] for s in stats})
     return result
 
 
