@@ -61,7 +61,7 @@ class DcrConfig:
     """Force a full resync (a delta at 100% density) every N refits; 0: only on mismatch."""
     full_verify_interval: int = 10
     """Full checksum scan of every tensor every N refits; 0: never (incremental only)."""
-    bucket_size_mb: int = 256
+    bucket_size_mb: float = 256.0
     """Payload parts are cut so that the raw changes of one part (position + bits) stay within
     this many MiB: bounds encode, transfer and decode memory per message."""
     reply_timeout_s: float = 300.0
@@ -88,7 +88,8 @@ class DcrConfig:
             raise ConfigError(f"{prefix}.baseline_dir", "the file baseline needs a folder")
         for name in ("verify_interval", "full_resync_interval", "full_verify_interval"):
             _at_least(prefix, name, getattr(self, name), 0)
-        _at_least(prefix, "bucket_size_mb", self.bucket_size_mb, 1)
+        if not self.bucket_size_mb > 0:
+            raise ConfigError(f"{prefix}.bucket_size_mb", f"must be > 0, got {self.bucket_size_mb!r}")
         if not self.reply_timeout_s > 0:
             raise ConfigError(f"{prefix}.reply_timeout_s", f"must be > 0, got {self.reply_timeout_s!r}")
 

@@ -113,7 +113,7 @@ class RefitSender:
     @property
     def max_changes_per_part(self) -> int:
         """Changed elements per payload part, from ``bucket_size_mb`` (bounds encode and transfer memory)."""
-        return max(1, self.cfg.bucket_size_mb * (1 << 20) // RAW_BYTES_PER_CHANGE)
+        return max(1, int(self.cfg.bucket_size_mb * (1 << 20)) // RAW_BYTES_PER_CHANGE)
 
     @property
     def owned(self) -> list[str]:

@@ -34,7 +34,9 @@ class Engine(Protocol):
 
 @dataclass
 class ServerStats:
-    """What the engine saw: commits, refusals by exception type, replays dropped."""
+    """What the engine saw, counted as it happened: commits, refusals by exception type, parts
+    dropped as replays or duplicates, parts put back in order; ``events`` keeps each of them with
+    its version (``(version, what, detail)``) so a harness can tell which refit saw what."""
 
     committed: int = 0
     resyncs: int = 0
@@ -43,6 +45,11 @@ class ServerStats:
     duplicates_dropped: int = 0
     reordered: int = 0
     """Parts that arrived after a later part of the same sender and version (put back in order)."""
+    events: list[tuple[int, str, str]] = field(default_factory=list)
+
+    def note(self, version: int, what: str, detail: str = "") -> None:
+        """Record one event of ``version``."""
+        self.events.append((version, what, detail))
 
 
 def digests(tensors: dict) -> dict[str, str]:
@@ -92,14 +99,17 @@ class EngineServer:
     def _collect(self, env: Envelope) -> None:
         if env.version <= self.engine.version:
             self.stats.replays_dropped += 1
+            self.stats.note(env.version, "replay", f"part {env.part} from {env.sender}")
             return
         per_sender = self._parts.setdefault((int(env.kind), env.version), {})
         got = per_sender.setdefault(env.sender, {})
         if env.part in got:
             self.stats.duplicates_dropped += 1
+            self.stats.note(env.version, "duplicate", f"part {env.part} from {env.sender}")
             return
         if got and env.part < max(got):
             self.stats.reordered += 1
+            self.stats.note(env.version, "reordered", f"part {env.part} from {env.sender} after {max(got)}")
         got[env.part] = env
         if all(s in per_sender and _finished(per_sender[s]) for s in self.senders):
             del self._parts[(int(env.kind), env.version)]
@@ -118,6 +128,7 @@ class EngineServer:
             return
         self.stats.committed += 1
         self.stats.resyncs += int(result.resync)
+        self.stats.note(version, "committed", "resync" if result.resync else "delta")
         reply = EngineReply(True, self.engine.version, checksums=self.engine.checksums(), touched=result.touched)
         self._reply(MessageKind.ACK, version, self.senders, reply)
         for key in [k for k in self._parts if k[1] <= self.engine.version]:
@@ -125,6 +136,7 @@ class EngineServer:
 
     def _refuse(self, version: int, kind: str, message: str) -> None:
         self.stats.refused[kind] = self.stats.refused.get(kind, 0) + 1
+        self.stats.note(version, "refused", f"{kind}: {message}")
         reply = EngineReply(False, self.engine.version, reason=f"{kind}: {message}")
         self._reply(MessageKind.NACK, version, self.senders, reply)
 

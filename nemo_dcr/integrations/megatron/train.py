@@ -9,6 +9,7 @@ round-to-nearest of the fp32 master).
 
 from __future__ import annotations
 
+import copy
 import zlib
 
 import torch
@@ -139,6 +140,18 @@ class MasterAdamW:
             gen = torch.Generator().manual_seed(zlib.crc32(f"{lp.global_name}@{step}".encode()))
             noise = torch.randn(m.shape, generator=gen)
             m.add_(torch.sign(noise), alpha=-lr)
+        self.copy_back()
+
+    def state(self) -> dict:
+        """What resuming needs: the fp32 masters and the AdamW state (copies)."""
+        return dict(masters=[m.detach().clone() for m in self.masters], opt=copy.deepcopy(self.opt.state_dict()))
+
+    @torch.no_grad()
+    def load(self, state: dict) -> None:
+        """Resume from :meth:`state`: masters, AdamW moments, and the bf16 params rounded from them."""
+        for m, saved in zip(self.masters, state["masters"]):
+            m.copy_(saved)
+        self.opt.load_state_dict(copy.deepcopy(state["opt"]))
         self.copy_back()
 
     @torch.no_grad()

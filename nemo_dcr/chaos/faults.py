@@ -1,0 +1,79 @@
+"""Which fault hits which refit, and how each is injected.
+
+Fault kinds and how each is meant to be caught (the catch is measured, see :mod:`.report`):
+  drop: trainer rank 0 loses its first payload part -> the engine sees a part-index gap -> NACK
+      (MissingPartError) -> the trainers resync what differs.
+  duplicate: every part is sent twice -> the engine drops the copies (counted per version).
+  reorder: parts are sent in reverse order -> the engine puts them back in order (counted).
+  corrupt: trainer rank 0 flips bytes at a random offset of a payload part: preamble, header,
+      record bodies or MAC alike -> the codec refuses it (its exception names the rule) -> NACK.
+  crash-mid-apply: the engine raises after the 2nd tensor of the transaction is written ->
+      rollback -> NACK -> resync.
+  trainer-resume: the trainers reload masters and optimizer from two refits ago into a fresh
+      DeltaRefit -> its attach finds the engine's checksums differ -> resync of what moved.
+  version-skew: the payload's base version is off by one -> VersionMismatchError -> NACK.
+"""
+
+from __future__ import annotations
+
+import random
+
+from nemo_dcr.codec.header import PREAMBLE, read_preamble
+from nemo_dcr.transport import Envelope
+
+FAULTS = ("drop", "duplicate", "reorder", "corrupt", "crash-mid-apply", "trainer-resume", "version-skew")
+MAC_BYTES = 32
+
+
+def schedule(refits: int, faults: tuple[str, ...], seed: int, fault_rate: float) -> dict[int, str]:
+    """Refit index (1-based) -> fault kind; identical in every process.
+
+    With ``fault_rate >= 1`` every refit from the second on gets a fault, cycling through the
+    kinds in a seeded order; otherwise each refit draws a fault with that probability.
+    """
+    rng = random.Random(seed)
+    if fault_rate >= 1.0 and faults:
+        order = list(faults)
+        rng.shuffle(order)
+        return {i: order[(i - 2) % len(order)] for i in range(2, refits + 1)}
+    return {i: rng.choice(faults) for i in range(2, refits + 1) if faults and rng.random() < fault_rate}
+
+
+def region(body: bytes, offset: int, keyed: bool) -> str:
+    """Which part of a payload ``offset`` falls in: preamble, header, records or mac."""
+    if offset < PREAMBLE.size:
+        return "preamble"
+    if keyed and offset >= len(body) - MAC_BYTES:
+        return "mac"
+    _, h_len, _ = read_preamble(body)
+    return "header" if offset < PREAMBLE.size + h_len else "records"
+
+
+def corrupt(envs: list[Envelope], rng: random.Random, keyed: bool, log: list) -> list[Envelope]:
+    """Flip 1-3 bytes at a random offset of one non-empty part; ``log`` gets (part, offset, region)."""
+    parts = [i for i, e in enumerate(envs) if e.body]
+    if not parts:
+        return envs
+    i = rng.choice(parts)
+    body = bytearray(envs[i].body)
+    offset = rng.randrange(len(body))
+    log.append((envs[i].part, offset, region(envs[i].body, offset, keyed)))
+    for k in range(offset, min(len(body), offset + rng.randint(1, 3))):
+        body[k] ^= rng.randint(1, 255)
+    e = envs[i]
+    out = list(envs)
+    out[i] = Envelope(e.kind, e.version, e.sender, e.part, e.last, bytes(body), e.receiver)
+    return out
+
+
+def tamper_for(kind: str | None, rank: int, rng: random.Random, keyed: bool, log: list):
+    """The outgoing-envelope tamper of ``kind`` on trainer ``rank`` (None: send as is)."""
+    if kind == "drop" and rank == 0:
+        return lambda envs: envs[1:]
+    if kind == "duplicate":
+        return lambda envs: envs + envs
+    if kind == "reorder":
+        return lambda envs: envs[::-1]
+    if kind == "corrupt" and rank == 0:
+        return lambda envs: corrupt(envs, rng, keyed, log)
+    return None
