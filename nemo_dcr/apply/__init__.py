@@ -8,8 +8,7 @@ Usage::
 """
 
 from .engine import TensorEngine
-from .errors import (ApplyVerificationError, IncompletePartsError, InjectedFault, RefitRefusedError,
-                     VersionMismatchError)
+from .errors import ApplyVerificationError, IncompletePartsError, InjectedFault, RefitRefusedError, VersionMismatchError
 from .guard import VersionGuard
 from .transaction import ApplyResult, UndoLog, apply_parts, resync_parts
 

@@ -19,7 +19,7 @@ from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.checksum import MASK64, hash_sum
 
 from .engine import TensorEngine
-from .placement import RankPlacement, TensorPlacement
+from .placement import RankPlacement, TensorPlacement, placement_to_json
 from .shard_view import ShardView
 from .transaction import ApplyResult
 
@@ -104,4 +104,8 @@ class RoutedEngine:
     def serving(self):
         """Hold the current version for one generation."""
         return self.inner.serving()
+
+    def placement_json(self) -> dict:
+        """This rank's placement in JSON form (what the refit path asks engines for)."""
+        return placement_to_json(self.placement)
 

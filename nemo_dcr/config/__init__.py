@@ -11,8 +11,16 @@ See :mod:`nemo_dcr.config.load` for the resolution order and ``configs/`` for th
 
 from nemo_dcr.config.load import build_config, load_config, load_yaml_tree, parse_overrides, to_dict, to_yaml
 from nemo_dcr.config.schema import (
-    BASELINES, ENCODINGS, TRANSPORTS, ConfigError, DcrConfig, EngineConfig, RecipeConfig, RunConfig,
-    TaskConfig, TrainerConfig,
+    BASELINES,
+    ENCODINGS,
+    TRANSPORTS,
+    ConfigError,
+    DcrConfig,
+    EngineConfig,
+    RecipeConfig,
+    RunConfig,
+    TaskConfig,
+    TrainerConfig,
 )
 
 __all__ = [

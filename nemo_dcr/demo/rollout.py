@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dcr.demo.task import (
-    RLConfig, exact_reward, group_advantages, make_problems, sample, shaped_reward,
+    RLConfig,
+    exact_reward,
+    group_advantages,
+    make_problems,
+    sample,
+    shaped_reward,
 )
 
 

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nemo_dcr.integrations.hf.model import load_embedded_model, load_embedded_tokenizer, state_dict_bits
 from nemo_dcr.checkpoint import save_checkpoint
+from nemo_dcr.integrations.hf.model import load_embedded_model, load_embedded_tokenizer, state_dict_bits
 from nemo_dcr.types import bits_view
 
 ANSWER_RE = re.compile(r"-?\d+")

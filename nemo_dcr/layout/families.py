@@ -11,6 +11,7 @@ To add a family: list its rule groups in :data:`FAMILIES` and its canonical shap
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from nemo_dcr.layout.mappings import (
     QKV,
     Column,

@@ -37,7 +37,6 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-
 from nemo_dcr.apply.placement import placement_from_json
 from nemo_dcr.capture import BaselineStore, capture
 from nemo_dcr.codec.auth import read_key_file

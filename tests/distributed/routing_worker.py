@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
+from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 
 KEY = b"routing-test-key-0123456789abcdef"
 TP = 2
@@ -73,6 +73,9 @@ class RecordingEngine:
     def checksums(self, full=False):
         return self.inner.checksums(full)
 
+    def placement_json(self):
+        return self.inner.placement_json()
+
 
 def engine_main(workdir: str, rank: int) -> None:
     """Engine rank ``rank`` (1..TP): serve until STOP; dump received records and param bits."""
@@ -96,32 +99,29 @@ def _drop_first(envs):
 
 
 def trainer_main(workdir: str, refits: int) -> None:
-    """Attach (full resync through the routes), ``refits`` delta refits, one with a lost part."""
-    from nemo_dcr.refit.sender import RefitConfig, RefitSender
+    """DeltaRefit with two engine ranks: the placement query sets the routes; attach (a full resync
+    through the routes), ``refits`` delta refits, one with a lost part."""
+    from nemo_dcr.config.schema import DcrConfig
+    from nemo_dcr.refit import DeltaRefit, engine_wiring
     from nemo_dcr.refit.group import LocalGroup
-    from tests.standins.shard_trainer import ShardTrainer
-    from nemo_dcr.refit.mirror import SenderMirror
     from nemo_dcr.transport import Envelope, MessageKind
+    from tests.standins.shard_trainer import ShardTrainer
 
     torch.set_num_threads(1)
     transport = _transport(workdir, 0)
     trainer = ShardTrainer(SHAPES, 0, 1, lr=1e-3, seed=1)
-    routes = dict(zip(range(1, TP + 1), placements()))
-    sender = RefitSender(RefitConfig(key=KEY, max_changes_per_part=64, reply_timeout=60), LocalGroup(), transport,
-                         list(routes), {n: 0 for n in SHAPES}, SenderMirror({n: ("bf16", s) for n, s in SHAPES.items()}),
-                         routes=routes)
-    rows = [sender.attach(trainer.pieces(0), trainer.checksums())]
-    trainer.commit(0)
+    engines = list(range(1, TP + 1))
+    cfg = DcrConfig(bucket_size_mb=64 * 10 / (1 << 20), reply_timeout_s=60, telemetry_encodings=[])
+    refit = DeltaRefit(cfg, trainer, engine_wiring(transport, [0], engines, LocalGroup()), key=KEY)
+    rows = [refit.attach()]
     for i in range(1, refits + 1):
         trainer.step()
-        out = sender.refit(trainer.pieces(i), trainer.checksums(), tamper=_drop_first if i == 2 else None)
-        trainer.commit(i)
-        rows.append(out)
-    for e in routes:
+        rows.append(refit.step(tamper=_drop_first if i == 2 else None))
+    for e in engines:
         transport.send(e, Envelope(MessageKind.STOP, 0, 0))
     transport.flush()
     np.savez(Path(workdir, "trainer.npz"), **{n: p.view(torch.int16).numpy() for n, p in trainer.params.items()})
     Path(workdir, "trainer.json").write_text(json.dumps(
         [dict(committed=o.committed, resynced=o.resynced, ok=o.verify is not None and o.verify.ok,
-              detected=list(o.detected), version=o.version) for o in rows]))
-    transport.close()
+              detected=list(o.detected), version=o.version, routed=refit.sender.routes is not None) for o in rows]))
+    refit.close()

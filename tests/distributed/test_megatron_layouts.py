@@ -19,7 +19,6 @@ needs changed bits in every chunk, not a forward pass).
 from __future__ import annotations
 
 import pytest
-
 from launch import torchrun
 
 pytestmark = pytest.mark.distributed

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import routing_worker as w
 import torch
 
-import routing_worker as w
 from tests.standins.vllm_standin import StandinModel
 
 pytestmark = pytest.mark.distributed
@@ -37,7 +37,7 @@ def _run(tmp: Path, refits: int) -> None:
 def test_two_engine_ranks_receive_only_their_records(tmp_path):
     _run(tmp_path, refits=4)
     rows = json.loads((tmp_path / "trainer.json").read_text())
-    assert all(r["committed"] and r["ok"] for r in rows), rows
+    assert all(r["committed"] and r["ok"] and r["routed"] for r in rows), rows
     assert rows[2]["resynced"] and rows[2]["detected"], "the lost part was not detected and resynced"
     assert not rows[1]["resynced"] and not rows[3]["resynced"]
     places = w.placements()

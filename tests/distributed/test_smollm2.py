@@ -14,11 +14,10 @@ import os
 
 import pytest
 import torch
-
 from launch import torchrun
+from test_megatron_layouts import check_result
 
 from nemo_dcr.checkpoint import save_checkpoint
-from test_megatron_layouts import check_result
 
 pytestmark = pytest.mark.distributed
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

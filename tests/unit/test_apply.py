@@ -7,8 +7,13 @@ import threading
 import pytest
 import torch
 
-from nemo_dcr.apply import (ApplyVerificationError, IncompletePartsError, InjectedFault, TensorEngine,
-                            VersionMismatchError)
+from nemo_dcr.apply import (
+    ApplyVerificationError,
+    IncompletePartsError,
+    InjectedFault,
+    TensorEngine,
+    VersionMismatchError,
+)
 from nemo_dcr.apply.transaction import UndoLog
 from nemo_dcr.codec import Identity, encode
 from nemo_dcr.codec.errors import AuthenticationError, BaseChecksumMismatchError, DeltaFormatError

@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from nemo_dcr.integrations.hf.engine import HFEngine  # noqa: E402
 from nemo_dcr.apply import InjectedFault  # noqa: E402
 from nemo_dcr.codec import Identity, encode  # noqa: E402
+from nemo_dcr.integrations.hf.engine import HFEngine  # noqa: E402
 
 KEY = b"h" * 32
 

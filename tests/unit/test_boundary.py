@@ -1,10 +1,13 @@
-"""Dependency boundary: the core never imports training/inference frameworks.
+"""The package's structure, read from the source (every import, lazy ones included):
 
-* Core packages (capture, layout, codec, transport, apply, verify) and ``nemo_dcr/checkpoint.py``
-  must not import megatron, nemo_rl, vllm, sglang, transformers or safetensors anywhere (not even
-  inside a function), nor ``nemo_dcr.adapters`` / ``nemo_dcr.commands``.
-* Every other module outside ``nemo_dcr/adapters/`` (``cli.py``, ``commands/``, package
-  ``__init__`` files) may import them, and ``nemo_dcr.adapters``, only lazily inside functions.
+* **Layers.** Each part of ``nemo_dcr`` has a layer (:data:`LAYERS`); a module may import only
+  its own part or parts of a lower layer, never a higher one and never a sibling of the same layer,
+  not even inside a function (``importlib.import_module`` with a literal name counts too).
+* **No cycles** between modules (a module importing its own ancestor package is Python's implicit
+  parent import and does not count).
+* **Frameworks.** megatron, nemo_rl, vllm, sglang, transformers and safetensors are imported only
+  by ``nemo_dcr.integrations``; the layers below it do not import them at all, the layers above
+  only inside functions.
 * Importing the codec and the checksum in a fresh interpreter leaves those frameworks out of
   ``sys.modules`` (checked with stub packages on the path, so an import would really register).
 """
@@ -19,29 +22,48 @@ import sys
 import textwrap
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "nemo_dcr"
 FORBIDDEN = ("megatron", "nemo_rl", "vllm", "sglang", "transformers", "safetensors")
-CORE_DIRS = ("capture", "layout", "codec", "transport", "apply", "verify")
-CORE_FILES = ("checkpoint.py",)
-INTERNAL_FORBIDDEN_IN_CORE = ("nemo_dcr.adapters", "nemo_dcr.commands")
+LAYERS = {
+    "types": 0,
+    "kernels": 1,
+    "verify": 2,
+    "codec": 3, "layout": 3, "transport": 3, "config": 3, "telemetry": 3,
+    "capture": 4, "checkpoint": 4,
+    "apply": 5, "quant": 5,
+    "refit": 6,
+    "integrations.megatron": 7, "integrations.hf": 7, "integrations.vllm": 7, "integrations.nemo_rl": 7,
+    "integrations": 7,
+    "adapters": 8, "demo": 8, "chaos": 8, "plan": 8,
+    "commands": 9,
+    "cli": 10,
+    "": 11,  # the package root: the public API
+}
+"""Part of the package -> layer.  ``integrations.X`` are separate parts of one layer."""
+FRAMEWORK_FREE_BELOW = LAYERS["integrations"]
 
 
-def _module_name(rel: Path) -> str:
+def module_name(rel: Path) -> str:
     parts = list(rel.with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(["nemo_dcr", *parts])
 
 
-def _package_of(rel: Path) -> str:
-    mod = _module_name(rel)
-    return mod if rel.name == "__init__.py" else mod.rpartition(".")[0]
+def part_of(module: str) -> str:
+    """The :data:`LAYERS` key of a ``nemo_dcr`` module (longest matching prefix)."""
+    rest = module[len("nemo_dcr"):].lstrip(".")
+    best = ""
+    for key in LAYERS:
+        if key and (rest == key or rest.startswith(key + ".")) and len(key) > len(best):
+            best = key
+    if not best and rest:
+        raise KeyError(f"{module}: no layer assigned (add its part to LAYERS)")
+    return best
 
 
 def _resolve(node: ast.ImportFrom, package: str) -> list[str]:
-    """Absolute module names an ``ImportFrom`` may load (the module and, for ``from x import y``, x.y)."""
     if node.level:
         base = package.split(".")
         base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
@@ -56,14 +78,9 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _matches(name: str, prefixes) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-
 def imported_modules(tree: ast.AST, package: str):
-    """Yield ``(module, lineno, lazy)`` for every import; ``lazy`` when inside a function body or
-    an ``if TYPE_CHECKING:`` block. Also catches ``importlib.import_module("x")`` / ``__import__("x")``
-    with a literal name."""
+    """Yield ``(module, lineno, lazy)`` for every import; ``lazy`` inside a function body or an
+    ``if TYPE_CHECKING:`` block.  Also ``importlib.import_module("x")`` / ``__import__("x")``."""
 
     def visit(node, lazy):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -92,77 +109,140 @@ def imported_modules(tree: ast.AST, package: str):
     yield from visit(tree, False)
 
 
-def check_source(source: str, rel: Path) -> list[str]:
-    """Boundary violations of one module at ``nemo_dcr/<rel>``."""
-    parts = rel.parts
-    if parts[0] == "adapters":
-        return []
-    core = (len(parts) > 1 and parts[0] in CORE_DIRS) or (len(parts) == 1 and parts[0] in CORE_FILES)
-    tree = ast.parse(source, filename=str(rel))
+def _matches(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def sources() -> dict[str, tuple[Path, str]]:
+    """Module name -> (relative path, source) of every module of the package."""
+    return {module_name(p.relative_to(PKG)): (p.relative_to(PKG), p.read_text(encoding="utf-8"))
+            for p in sorted(PKG.rglob("*.py"))}
+
+
+def _target(name: str, modules) -> str | None:
+    """The module an imported name loads (longest module prefix), None outside the package."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def check_module(module: str, rel: Path, source: str, modules) -> list[str]:
+    """Layer and framework violations of one module (``modules``: every module name)."""
+    package = module if rel.name == "__init__.py" else module.rpartition(".")[0]
+    mine = part_of(module)
     out = []
-    for mod, line, lazy in imported_modules(tree, _package_of(rel)):
-        framework = _matches(mod, FORBIDDEN)
-        internal = _matches(mod, INTERNAL_FORBIDDEN_IN_CORE if core else ("nemo_dcr.adapters",))
-        if core and (framework or internal):
-            out.append(f"nemo_dcr/{rel}:{line}: core module imports {mod}")
-        elif not core and not lazy and (framework or internal):
-            out.append(f"nemo_dcr/{rel}:{line}: module-level import of {mod} (import it inside a function)")
+    for name, line, lazy in imported_modules(ast.parse(source, filename=str(rel)), package):
+        where = f"nemo_dcr/{rel}:{line}"
+        if _matches(name, FORBIDDEN):
+            if LAYERS[mine] < FRAMEWORK_FREE_BELOW:
+                out.append(f"{where}: {mine or 'root'} (layer {LAYERS[mine]}) imports the framework {name}")
+            elif LAYERS[mine] > FRAMEWORK_FREE_BELOW and not lazy:
+                out.append(f"{where}: module-level import of {name} (import it inside a function)")
+            continue
+        target = _target(name, modules) if name.startswith("nemo_dcr") else None
+        if target is None or module.startswith(target + ".") or target == module:
+            continue  # outside the package, or its own ancestor (Python's implicit parent import)
+        theirs = part_of(target)
+        if theirs != mine and LAYERS[theirs] >= LAYERS[mine]:
+            out.append(f"{where}: {mine or 'root'} (layer {LAYERS[mine]}) imports {target} "
+                       f"({theirs or 'root'}, layer {LAYERS[theirs]})")
     return out
 
 
-def all_modules() -> list[Path]:
-    return sorted(p.relative_to(PKG) for p in PKG.rglob("*.py"))
+def import_graph(srcs) -> dict[str, set[str]]:
+    """Module -> modules of the package it imports (lazily or not; ancestors left out)."""
+    graph: dict[str, set[str]] = {}
+    for module, (rel, source) in srcs.items():
+        package = module if rel.name == "__init__.py" else module.rpartition(".")[0]
+        edges = set()
+        for name, _, _ in imported_modules(ast.parse(source), package):
+            target = _target(name, srcs) if name.startswith("nemo_dcr") else None
+            if target and target != module and not module.startswith(target + "."):
+                edges.add(target)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
 
 
 def test_checker_catches_violations():
     """The checker itself: each of these must be flagged, and the allowed forms must not be."""
-    bad_core = {
-        "codec/x.py": "import transformers\n",
-        "verify/x.py": "from megatron.core import parallel_state\n",
-        "layout/x.py": "def f():\n    import vllm.engine\n",
-        "capture/x.py": "import importlib\nM = importlib.import_module('sglang')\n",
-        "transport/x.py": "from ..adapters import megatron\n",
-        "apply/x.py": "from nemo_dcr.commands import checkpoint_cmds\n",
-        "checkpoint.py": "try:\n    import safetensors.torch\nexcept ImportError:\n    pass\n",
-        "codec/y.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import nemo_rl\n",
-        "codec/__init__.py": "from .. import adapters\n",
-    }
-    for rel, src in bad_core.items():
-        assert check_source(src, Path(rel)), rel
-    bad_outer = {
-        "cli.py": "import transformers\n",
-        "commands/x.py": "from nemo_dcr.adapters import hf\n",
-        "commands/y.py": "from ..adapters.megatron import ModelPreset\n",
-        "__init__.py": "class A:\n    import vllm\n",
-    }
-    for rel, src in bad_outer.items():
-        assert check_source(src, Path(rel)), rel
+    mods = {"nemo_dcr.codec", "nemo_dcr.codec.x", "nemo_dcr.refit", "nemo_dcr.refit.delta_refit",
+            "nemo_dcr.integrations.megatron", "nemo_dcr.commands.x", "nemo_dcr.layout", "nemo_dcr.types",
+            "nemo_dcr.integrations.hf"}
+    bad = [
+        ("nemo_dcr.codec.x", "codec/x.py", "import transformers\n"),
+        ("nemo_dcr.codec.x", "codec/x.py", "def f():\n    from nemo_dcr.refit import delta_refit\n"),
+        ("nemo_dcr.layout.y", "layout/y.py", "from ..codec import x\n"),
+        ("nemo_dcr.refit.z", "refit/z.py", "import importlib\nM = importlib.import_module('nemo_dcr.integrations.megatron')\n"),
+        ("nemo_dcr.refit.z", "refit/z.py", "def f():\n    import vllm.engine\n"),
+        ("nemo_dcr.integrations.hf.a", "integrations/hf/a.py", "from nemo_dcr.integrations.megatron import x\n"),
+        ("nemo_dcr.commands.b", "commands/b.py", "import transformers\n"),
+        ("nemo_dcr.types", "types.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nemo_dcr import codec\n"),
+    ]
+    for mod, rel, src in bad:
+        assert check_module(mod, Path(rel), src, mods), (rel, src)
     ok = {
-        "commands/x.py": "def run():\n    from nemo_dcr.adapters import hf\n    import transformers\n",
-        "cli.py": "import importlib\ndef f(m):\n    return importlib.import_module(f'nemo_dcr.commands.{m}')\n",
-        "adapters/z.py": "import megatron.core\nimport transformers\n",
-        "codec/z.py": "import numpy\nimport torch\nfrom ..verify.checksum import tensor_checksum\n",
-        "commands/t.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import transformers\n",
+        ("nemo_dcr.commands.x", "commands/x.py"): "def run():\n    from nemo_dcr.integrations import hf\n    import transformers\n",
+        ("nemo_dcr.integrations.megatron.s", "integrations/megatron/s.py"): "import megatron.core\nfrom nemo_dcr.refit import x\n",
+        ("nemo_dcr.codec.z", "codec/z.py"): "import numpy\nfrom ..types import spec_of\nfrom . import x\n",
+        ("nemo_dcr.codec.dcr.e", "codec/dcr/e.py"): "from .. import bitio\n",
     }
-    for rel, src in ok.items():
-        assert check_source(src, Path(rel)) == [], rel
+    for (mod, rel), src in ok.items():
+        assert check_module(mod, Path(rel), src, mods | {"nemo_dcr.codec.bitio"}) == [], (rel, src)
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_framework_imports_outside_adapters():
-    mods = all_modules()
-    names = {str(p) for p in mods}
-    # the scan is not vacuous: the core modules are there
-    for expected in ("codec/payload.py", "codec/dcr/encode.py", "codec/header.py", "verify/checksum.py",
-                     "types.py", "checkpoint.py", "cli.py"):
-        assert expected in names, expected
-    violations = []
-    for rel in mods:
-        violations += check_source((PKG / rel).read_text(encoding="utf-8"), rel)
+def test_every_import_respects_the_layers():
+    srcs = sources()
+    for expected in ("nemo_dcr.codec.payload", "nemo_dcr.codec.dcr.encode", "nemo_dcr.refit.delta_refit",
+                     "nemo_dcr.types", "nemo_dcr.checkpoint", "nemo_dcr.cli", "nemo_dcr.integrations.megatron.source"):
+        assert expected in srcs, expected  # the scan is not vacuous
+    violations = [v for m, (rel, src) in srcs.items() for v in check_module(m, rel, src, srcs)]
     assert not violations, "\n".join(violations)
 
 
+def test_no_import_cycle():
+    found = cycles(import_graph(sources()))
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
 CORE_IMPORTS = ("nemo_dcr.codec", "nemo_dcr.verify.checksum", "nemo_dcr.codec.payload", "nemo_dcr.codec.dcr",
-                "nemo_dcr.codec.reference", "nemo_dcr.codec.header", "nemo_dcr.cli")
+                "nemo_dcr.refit", "nemo_dcr.cli")
 
 
 def test_importing_core_loads_no_framework(tmp_path):

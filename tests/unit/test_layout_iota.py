@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_layout_dense_ref import TAG, Topo, hf_iota, hf_shapes, megatron_shards
 
 from nemo_dcr.layout import (
     LayoutError,
@@ -26,7 +27,6 @@ from nemo_dcr.layout import (
     build_plan,
     canonical_shapes,
 )
-from test_layout_dense_ref import TAG, Topo, hf_iota, hf_shapes, megatron_shards
 
 LLAMA = ModelDims(num_layers=4, hidden_size=12, num_attention_heads=6, num_query_groups=3,
                   ffn_hidden_size=12, vocab_size=50, make_vocab_size_divisible_by=4)

@@ -6,9 +6,9 @@ import json
 import warnings
 
 import pytest
+from test_layout_dense_ref import Topo, pipeline_blocks
 
 from nemo_dcr.layout import LayoutError, ModelDims, ParallelLayout, chunk_layers
-from test_layout_dense_ref import Topo, pipeline_blocks
 
 DENSE = ModelDims(num_layers=8, hidden_size=16, num_attention_heads=8, num_query_groups=4,
                   ffn_hidden_size=32, vocab_size=100)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.demo import task as rl_deltas
 from nemo_dcr.checkpoint import list_tensors, load_checkpoint
+from nemo_dcr.demo import task as rl_deltas
 
 # SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152, tied
 EXPECTED_SHAPES = {

@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 import torch
 
+from nemo_dcr.apply.placement import (
+    PlacementError,
+    Runs,
+    assign_primary,
+    check_coverage,
+    probe_model,
+    probe_tensor,
+    record_loader_calls,
+)
 from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
-from nemo_dcr.apply.placement import (PlacementError, Runs, assign_primary, check_coverage, probe_model,
-                                      probe_tensor, record_loader_calls)
 
 D = StandinDims()
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
-from nemo_dcr.integrations.vllm.worker import DcrWorkerExtension, set_loader
 from nemo_dcr.apply.placement import assign_primary, placement_from_json, placement_to_json
 from nemo_dcr.codec import Identity, diff_tensors
+from nemo_dcr.integrations.vllm.worker import DcrWorkerExtension, set_loader
 from nemo_dcr.refit.fanout import Fanout
 from nemo_dcr.refit.mirror import SenderMirror
 from nemo_dcr.types import bits_view
 from nemo_dcr.verify.checksum import tensor_checksum
+from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 
 D, TP, KEY = StandinDims(), 2, b"worker-test-key-0123456789abcdef"
 

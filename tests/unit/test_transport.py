@@ -9,8 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.transport import (DistTransport, Envelope, InProcHub, MessageKind, StoreTransport, TransportError,
-                                TransportUnavailableError)
+from nemo_dcr.transport import (
+    DistTransport,
+    Envelope,
+    InProcHub,
+    MessageKind,
+    StoreTransport,
+    TransportError,
+    TransportUnavailableError,
+)
 
 KEY = b"s" * 32
 

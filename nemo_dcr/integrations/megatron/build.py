@@ -13,6 +13,7 @@ Related modules:
 from __future__ import annotations
 
 import os
+
 import torch
 import torch.distributed as dist
 

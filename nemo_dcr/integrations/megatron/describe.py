@@ -66,7 +66,7 @@ def dims_from_model(chunks: list[torch.nn.Module], vocab_size: int | None = None
     dims = ModelDims(
         num_layers=config.num_layers, hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads, vocab_size=real_vocab,
-        num_query_groups=config.num_query_groups, head_dim=None if mla else config.kv_channels,
+        num_query_groups=config.num_query_groups, head_dim=_head_dim(config, mla),
         ffn_hidden_size=config.ffn_hidden_size, padded_vocab_size=model.vocab_size,
         tie_word_embeddings=bool(model.share_embeddings_and_output_weights),
         qk_layernorm=bool(config.qk_layernorm) and not mla, add_qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
@@ -81,6 +81,13 @@ def dims_from_model(chunks: list[torch.nn.Module], vocab_size: int | None = None
     if mla:
         dims = _with_mla(dims, config)
     return dims
+
+
+def _head_dim(config, mla: bool) -> int | None:
+    """``kv_channels`` when it differs from ``hidden / heads`` (None: the default, as in ModelDims)."""
+    if mla or config.kv_channels == config.hidden_size // config.num_attention_heads:
+        return None
+    return int(config.kv_channels)
 
 
 def _rotary_base(model) -> float:

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.capture.ranges import split_range
 from nemo_dcr.integrations.megatron.build import rank_coords
 from nemo_dcr.integrations.megatron.convert import (
-    hf_to_megatron, megatron_to_hf, merge_shards, shard_of, tp_placement,
+    hf_to_megatron,
+    megatron_to_hf,
+    merge_shards,
+    shard_of,
+    tp_placement,
 )
-from nemo_dcr.capture.ranges import split_range
 from nemo_dcr.layout import ModelDims
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

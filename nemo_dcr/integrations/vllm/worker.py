@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from nemo_dcr.apply.placement import (placement_from_json, placement_to_json, probe_model,
-                                      record_loader_calls)
+from nemo_dcr.apply.placement import placement_from_json, placement_to_json, probe_model, record_loader_calls
 
 
 def _default_loader():
