@@ -9,12 +9,15 @@ trainer process (rank 0) and an engine process (rank 1, a transformers ``LlamaFo
 loaded from ``step_A`` in bf16, wrapped in :class:`nemo_dcr.integrations.hf.engine.HFEngine`),
 joined by a ``ProcessGroupGloo`` over loopback and :class:`nemo_dcr.transport.DistTransport`.
 
-The trainer alternates its live params between ``step_A`` and ``step_B`` (real densities) and
-after every change runs, back to back:
+The trainer alternates its live params between ``step_A`` and ``step_B`` (a real step), then
+between ``step_A`` and mixes of the two at chosen densities (``--densities``: ``B``'s bits at a
+random fraction of the elements where the checkpoints differ), and after every change runs, back
+to back:
 
-* a **delta refit**: ``capture`` against the committed baseline, identity remap (HF layout),
-  then :meth:`nemo_dcr.refit.sender.RefitSender.refit` (owner routing, mirror encode,
-  send, engine transaction, ACK, checksum verification);
+* a **delta refit** through the one refit path, :meth:`nemo_dcr.refit.DeltaRefit.step` over a
+  :class:`~nemo_dcr.refit.canonical.CanonicalSource` (capture against the committed baseline,
+  identity remap, owner routing, mirror encode, send, engine transaction, ACK, checksum
+  verification);
 * a **dense refit**: every tensor's raw bf16 bytes (``MessageKind.DENSE``) through the same
   transport, copied into the engine's live params under its write guard; its ``verify`` is a
   full checksum scan on both sides (the delta path verifies incrementally).
@@ -44,17 +47,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.capture import BaselineStore, capture
-from nemo_dcr.types import int_view
-from nemo_dcr.types import SparseDelta
+import numpy as np
+
 from nemo_dcr.checkpoint import load_checkpoint
-from nemo_dcr.types import spec_of
-from nemo_dcr.refit.sender import PhaseClock, RefitConfig, RefitSender
-from nemo_dcr.refit.group import LocalGroup
 from nemo_dcr.refit.messages import QUERY_DIGESTS, EngineReply
-from nemo_dcr.refit.mirror import SenderMirror
+from nemo_dcr.refit.sender import PhaseClock
 from nemo_dcr.transport import DistTransport, Envelope, MessageKind
-from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
+from nemo_dcr.types import int_view, spec_of
+from nemo_dcr.verify.checksum import tensor_checksum
 
 KEY = b"benchmark-refit-key-0123456789ab"
 TRAINER, ENGINE = 0, 1
@@ -161,52 +161,60 @@ def engine_main(workdir: str, step_a: str) -> None:
 
 
 # ---------------------------------------------------------------- trainer process
+def mixed_state(a: dict, b: dict, density: float, seed: int = 0) -> dict:
+    """``a`` with ``b``'s bits at a random ``density`` fraction of all elements, drawn from the
+    elements where the two real checkpoints differ (all of them when there are fewer)."""
+    rng = np.random.default_rng(seed)
+    diff = {n: np.flatnonzero(_bits(a[n]) != _bits(b[n])) for n in a}
+    total = sum(t.numel() for t in a.values())
+    have = sum(d.size for d in diff.values())
+    keep = min(1.0, density * total / max(have, 1))
+    out = {}
+    for n, t in a.items():
+        bits = _bits(t).copy()
+        pos = diff[n][rng.random(diff[n].size) < keep]
+        bits[pos] = _bits(b[n])[pos]
+        out[n] = torch.from_numpy(bits.view(np.int16)).view(t.dtype).reshape(t.shape)
+    return out
+
+
 class Trainer:
-    """Live params, capture baseline, incremental checksums and a sender for rank 0."""
+    """Live params as a canonical source, the one refit path (``DeltaRefit``) to the engine rank."""
 
     def __init__(self, states: list[dict[str, torch.Tensor]], transport: DistTransport, encoding: str):
+        from nemo_dcr.config.schema import DcrConfig
+        from nemo_dcr.refit import DeltaRefit, engine_wiring
+        from nemo_dcr.refit.canonical import CanonicalSource
+        from nemo_dcr.refit.group import LocalGroup
+
         self.states = states
         self.params = {n: t.clone() for n, t in states[0].items()}
         self.transport = transport
-        self.baseline = BaselineStore("pinned")
-        for n, p in self.params.items():
-            self.baseline.register(n, p)
-        self.checksums = {n: tensor_checksum(_bits(p)) for n, p in self.params.items()}
-        mirror = SenderMirror({n: (spec_of(p.dtype).name, tuple(p.shape)) for n, p in self.params.items()})
-        mirror.reset(self.params, 0)
-        config = RefitConfig(key=KEY, encoding=encoding, reply_timeout=600, model="SmolLM2-135M")
-        self.sender = RefitSender(config, LocalGroup(), transport, [ENGINE], {n: 0 for n in self.params}, mirror)
+        cfg = DcrConfig(encoding=encoding, reply_timeout_s=600, full_verify_interval=0, telemetry_encodings=[])
+        wiring = engine_wiring(transport, [TRAINER], [ENGINE], LocalGroup())
+        self.refit = DeltaRefit(cfg, CanonicalSource(self.params), wiring, key=KEY, model="SmolLM2-135M")
+        first = self.refit.attach()
+        if first.resynced:
+            raise RuntimeError("the engine was loaded from step A: the first sync should send nothing")
 
-    def set_state(self, k: int) -> None:
-        """The optimizer step: live params become checkpoint ``k`` (not timed)."""
+    def set_state(self, state: dict) -> None:
+        """The optimizer step: live params become ``state`` (not timed)."""
         for n, p in self.params.items():
-            p.copy_(self.states[k][n])
+            p.copy_(state[n])
 
     def delta_refit(self) -> dict:
-        """One delta refit with every phase timed (seconds) and bytes moved."""
-        clock, version = PhaseClock(), self.sender.mirror.version + 1
-        sent0 = self.transport.bytes_sent
-        with clock("capture"):
-            local = capture(self.params, self.baseline, version=version)
-        with clock("remap"):  # HF layout: canonical index = local flat index
-            pieces = [SparseDelta(d.name, d.dtype, d.shape, d.positions, d.new_bits, d.old_bits) for d in local]
-        with clock("verify"):
-            for d in pieces:
-                self.checksums[d.name] = updated_checksum(self.checksums[d.name], d.positions, d.old_bits,
-                                                          d.new_bits)
-        out = self.sender.refit(pieces, self.checksums)
-        if not (out.committed and out.verify is not None and out.verify.ok):
-            raise RuntimeError(f"delta refit v{version} failed: {out.detected}")
-        self.baseline.commit(version)
-        ph = {**clock.seconds, "encode": out.phases["route"] + out.phases["encode"],
-              "wire": out.phases["send"] + out.phases["await"]}
-        ph["verify"] += out.phases["verify"]
-        return dict(version=version, kind="delta", changed=out.changed, numel=self._numel(),
-                    bytes=self.transport.bytes_sent - sent0, **ph)
+        """One refit through DeltaRefit, with its phases (seconds) and payload bytes."""
+        r = self.refit.step()
+        if not (r.committed and r.verified and not r.resynced):
+            raise RuntimeError(f"delta refit v{r.version} failed: {r.detected}")
+        t = r.times
+        return dict(version=r.version, kind="delta", changed=r.changed, numel=r.numel, bytes=r.payload_bytes,
+                    capture=t["capture"], remap=t["remap"], encode=t["route"] + t["encode"],
+                    wire=t["send"] + t["await"], verify=t["checksum"] + t["verify"] + t["commit"])
 
     def dense_refit(self) -> dict:
         """Every tensor's bytes through the same transport; full checksums compared."""
-        clock, version = PhaseClock(), self.sender.mirror.version + 1
+        clock, version = PhaseClock(), self.refit.sender.mirror.version + 1
         sent0 = self.transport.bytes_sent
         names = list(self.params)
         with clock("encode"):
@@ -221,37 +229,35 @@ class Trainer:
             mine = {n: tensor_checksum(_bits(p)) for n, p in self.params.items()}
         if reply.checksums != mine:
             raise RuntimeError(f"dense refit v{version}: engine checksums differ")
-        self._resync_state(version)
+        if self.refit.attach().resynced:  # not timed: the refit learns the engine's new version
+            raise RuntimeError("after a dense refit the engine should hold the trainer's weights")
         return dict(version=version, kind="dense", changed=self._numel(), numel=self._numel(), capture=0.0,
                     remap=0.0, bytes=self.transport.bytes_sent - sent0, **clock.seconds)
-
-    def _resync_state(self, version: int) -> None:
-        """After a dense refit, baseline and mirror describe the engine again (not timed)."""
-        for n, p in self.params.items():
-            self.baseline.register(n, p, version)
-        self.sender.mirror.reset(self.params, version)
 
     def _numel(self) -> int:
         return sum(p.numel() for p in self.params.values())
 
     def digests_match(self) -> bool:
         """sha256 of every tensor, trainer vs engine."""
-        self.transport.send(ENGINE, Envelope(MessageKind.QUERY, QUERY_DIGESTS, TRAINER))
-        self.transport.flush()
-        engine = self.sender._await(QUERY_DIGESTS, (MessageKind.STATE,))[0].digests
+        engine = self.refit.sender.query(QUERY_DIGESTS)[0].digests
         mine = {n: hashlib.sha256(int_view(p).numpy().tobytes()).hexdigest() for n, p in self.params.items()}
         return engine == mine
 
 
-def trainer_main(workdir: str, steps: list[str], repeats: int, encoding: str) -> None:
-    """Trainer rank: alternate A/B, one delta and one dense refit per change; write rows."""
+def trainer_main(workdir: str, steps: list[str], repeats: int, encoding: str, densities: list[float]) -> None:
+    """Trainer rank: for the real step and each density, alternate A <-> B with one delta and one
+    dense refit per change; write rows."""
     torch.set_num_threads(1)
-    trainer = Trainer([load_checkpoint(s) for s in steps], _transport(workdir, TRAINER), encoding)
+    states = [load_checkpoint(s) for s in steps]
+    trainer = Trainer(states, _transport(workdir, TRAINER), encoding)
+    mix = states[2] if len(states) > 2 else states[1]
+    targets = [("real step", states[1])] + [(f"{d:.2%}", mixed_state(states[0], mix, d)) for d in densities]
     rows = []
-    for i in range(2 * repeats):
-        trainer.set_state(1 - i % 2)
-        rows.append(trainer.delta_refit())
-        rows.append(trainer.dense_refit())
+    for label, target in targets:
+        for i in range(2 * repeats):
+            trainer.set_state(target if i % 2 == 0 else states[0])
+            rows.append(dict(trainer.delta_refit(), target=label))
+            rows.append(dict(trainer.dense_refit(), target=label))
     exact = trainer.digests_match()
     trainer.transport.send(ENGINE, Envelope(MessageKind.STOP, 0, TRAINER))
     trainer.transport.flush()
@@ -276,6 +282,20 @@ def combine(rows: list[dict], engine: dict) -> list[dict]:
     return out
 
 
+def summarize_all(rows: list[dict]) -> dict:
+    """:func:`summarize` per target (the real step and each density), and how the delta refit's
+    time follows the number of changes (largest over smallest density)."""
+    out = {t: summarize([r for r in rows if r["target"] == t]) for t in dict.fromkeys(r["target"] for r in rows)}
+    dens = [t for t in out if t != "real step"]
+    if len(dens) >= 2:
+        lo, hi = min(dens, key=lambda t: out[t]["delta"]["best"]["changed"]), \
+            max(dens, key=lambda t: out[t]["delta"]["best"]["changed"])
+        out["cost_follows_changes"] = dict(
+            low=lo, high=hi, changed_ratio=out[hi]["delta"]["best"]["changed"] / out[lo]["delta"]["best"]["changed"],
+            time_ratio=out[hi]["delta"]["best"]["total"] / out[lo]["delta"]["best"]["total"])
+    return out
+
+
 def summarize(rows: list[dict]) -> dict:
     """Best-of-N per kind, per-phase minima, and the delta/dense ratios of this run."""
     kinds = {k: [r for r in rows if r["kind"] == k] for k in ("delta", "dense")}
@@ -293,19 +313,27 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def table(summary: dict) -> str:
-    """Markdown table of the best refit of each kind."""
-    head = "| refit | " + " | ".join(PHASES) + " | total s | MB moved | changed |"
-    lines = [head, "|" + "---|" * (len(PHASES) + 4)]
-    for kind in ("delta", "dense"):
-        b = summary[kind]["best"]
-        cells = " | ".join(f"{b[p]:.3f}" for p in PHASES)
-        lines.append(f"| {kind} (best of {summary[kind]['n']}) | {cells} | {b['total']:.3f} | "
-                     f"{b['bytes'] / 1e6:.1f} | {b['changed'] / b['numel']:.2%} |")
-    lines.append(f"\ndelta/dense time: best {summary['ratio_best']:.3f}x, paired median "
-                 f"{summary['ratio_paired_median']:.3f}x (vs dense without verify "
-                 f"{summary['ratio_vs_dense_without_verify_median']:.3f}x); bytes {summary['bytes_ratio']:.4f}x")
-    return "\n".join(lines)
+def table(summaries: dict) -> str:
+    """Markdown table of the best refit of each kind, per target."""
+    head = "| target | refit | " + " | ".join(PHASES) + " | total s | MB moved | changed |"
+    lines = [head, "|" + "---|" * (len(PHASES) + 5)]
+    notes = []
+    for target, summary in summaries.items():
+        if target == "cost_follows_changes":
+            continue
+        for kind in ("delta", "dense"):
+            b = summary[kind]["best"]
+            cells = " | ".join(f"{b[p]:.3f}" for p in PHASES)
+            lines.append(f"| {target} | {kind} (best of {summary[kind]['n']}) | {cells} | {b['total']:.3f} | "
+                         f"{b['bytes'] / 1e6:.2f} | {b['changed'] / b['numel']:.3%} |")
+        notes.append(f"{target}: delta/dense time best {summary['ratio_best']:.3f}x, paired median "
+                     f"{summary['ratio_paired_median']:.3f}x (vs dense without verify "
+                     f"{summary['ratio_vs_dense_without_verify_median']:.3f}x); bytes {summary['bytes_ratio']:.5f}x")
+    c = summaries.get("cost_follows_changes")
+    if c:
+        notes.append(f"cost follows changes: {c['high']} vs {c['low']}: {c['changed_ratio']:.1f}x the changes, "
+                     f"{c['time_ratio']:.2f}x the delta refit time")
+    return "\n".join(lines + [""] + notes)
 
 
 def step_dirs(run: Path, steps: int) -> list[Path]:
@@ -317,14 +345,15 @@ def step_dirs(run: Path, steps: int) -> list[Path]:
     return sorted(run.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
 
 
-def run(run_dir: Path, pair: tuple[int, int], repeats: int, encoding: str, steps: int = 2) -> dict:
+def run(run_dir: Path, pair: tuple[int, int], repeats: int, encoding: str, steps: int = 2,
+        densities: tuple[float, ...] = (), mix_with: int = 0) -> dict:
     """Spawn trainer and engine, return the report (rows, summary, bit_exact)."""
     dirs = step_dirs(run_dir, steps)
-    chosen = [str(dirs[pair[0]]), str(dirs[pair[1]])]
+    chosen = [str(dirs[pair[0]]), str(dirs[pair[1]]), str(dirs[mix_with])]
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="nemo-dcr-bench-") as tmp:
         procs = [ctx.Process(target=engine_main, args=(tmp, chosen[0])),
-                 ctx.Process(target=trainer_main, args=(tmp, chosen, repeats, encoding))]
+                 ctx.Process(target=trainer_main, args=(tmp, chosen, repeats, encoding, list(densities)))]
         for p in procs:
             p.start()
         for p in procs:
@@ -335,22 +364,27 @@ def run(run_dir: Path, pair: tuple[int, int], repeats: int, encoding: str, steps
         engine = json.loads(Path(tmp, "engine.json").read_text())
     rows = combine(trainer["rows"], engine)
     return dict(model="SmolLM2-135M-Instruct (bf16)", transport="DistTransport over ProcessGroupGloo, loopback",
-                encoding=encoding, pair=[Path(c).name for c in chosen], repeats=repeats,
+                encoding=encoding, pair=[Path(c).name for c in chosen[:2]], mix_with=Path(chosen[2]).name,
+                densities=list(densities), repeats=repeats,
                 bit_exact=trainer["bit_exact"], mixed_version_served=engine["mixed"],
-                summary=summarize(rows), rows=rows)
+                summary=summarize_all(rows), rows=rows)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", nargs="?", default="runs/refit_bench", type=Path)
     ap.add_argument("--pair", nargs=2, type=int, default=(1, 2), help="step indices A B to alternate")
-    ap.add_argument("--repeats", type=int, default=3, help="A->B->A cycles (2 delta + 2 dense refits each)")
-    ap.add_argument("--encoding", default="reference", choices=("dcr", "reference"),
-                    help="payload coding of the delta refit (dcr: smaller, slower on one CPU thread)")
+    ap.add_argument("--repeats", type=int, default=2, help="A->B->A cycles per target (2 delta + 2 dense refits each)")
+    ap.add_argument("--encoding", default="dcr", choices=("dcr", "reference"), help="payload coding of the delta refit")
+    ap.add_argument("--densities", default="0.001,0.01",
+                    help="also refit to mixes of A and B at these densities (comma-separated; '' for none)")
+    ap.add_argument("--mix-with", type=int, default=0,
+                    help="density mixes are step A with this step's bits (the first AdamW step changes ~4%%)")
     ap.add_argument("--steps", type=int, default=2, help="steps to generate when RUN_DIR is empty")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
-    report = run(args.run_dir, tuple(args.pair), args.repeats, args.encoding, args.steps)
+    densities = tuple(float(x) for x in args.densities.split(",") if x)
+    report = run(args.run_dir, tuple(args.pair), args.repeats, args.encoding, args.steps, densities, args.mix_with)
     print(table(report["summary"]))
     print(f"bit_exact={report['bit_exact']} mixed_version_served={report['mixed_version_served']}")
     text = json.dumps({k: v for k, v in report.items() if k != "rows"} | {"rows": report["rows"]}, indent=1)

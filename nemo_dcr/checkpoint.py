@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nemo_dcr.types import CARRIER_NP, CARRIER_TORCH
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -44,8 +46,6 @@ DTYPE_TABLE: dict[str, tuple[torch.dtype, int]] = {
 }
 _BY_TORCH = {t: name for name, (t, _) in DTYPE_TABLE.items()}
 # numpy carrier with the right width; torch reinterprets the bits with .view(dtype)
-_NP_CARRIER = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-_TORCH_CARRIER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("nemo_dcr.checkpoint supports little-endian hosts only")
@@ -195,7 +195,7 @@ def _tensor_from_buffer(mm: np.ndarray | None, e: TensorEntry) -> torch.Tensor:
     raw = mm[e.begin : e.end]
     if e.begin % width:  # misaligned (foreign writer): copy into an aligned buffer
         raw = np.array(raw)
-    carrier = torch.from_numpy(raw.view(_NP_CARRIER[width]))
+    carrier = torch.from_numpy(raw.view(CARRIER_NP[width]))
     return carrier.view(dtype).reshape(e.shape)
 
 
@@ -395,4 +395,4 @@ def _write_file(path: Path, tensors: Mapping[str, torch.Tensor], meta: dict[str,
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(_TORCH_CARRIER[flat.element_size()]).numpy()).cast("B")
+    return memoryview(flat.view(CARRIER_TORCH[flat.element_size()]).numpy()).cast("B")

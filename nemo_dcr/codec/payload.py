@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from ..kernels import write_bits
 from ..types import SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
 from .errors import (
@@ -223,15 +224,10 @@ def apply(base: Mapping[str, torch.Tensor], payload, key: bytes | None = None,
     and how many elements of each changed.
     """
     decoded = decode(payload, base, key, base_checksums)
-    writes = [(bits_view_for_write(base[d.name], d.name), d) for d in decoded.deltas if d.nnz]
-    for view, d in writes:  # every target was checked writable above: no partial apply
-        view[d.positions] = d.new_bits
-    return {d.name: d.nnz for _, d in writes}
-
-
-def bits_view_for_write(t: torch.Tensor, name: str) -> np.ndarray:
-    """Writable bit view of a receiver tensor, or a ValueError naming it (checked before any write)."""
-    if not (t.device.type == "cpu" and t.is_contiguous()):
-        raise ValueError(f"{name}: in-place apply needs a contiguous CPU tensor, got device {t.device}, "
-                         f"contiguous={t.is_contiguous()}")
-    return bits_view(t)
+    writes = [d for d in decoded.deltas if d.nnz]
+    for d in writes:  # every target is checked writable before the first write: no partial apply
+        if not base[d.name].is_contiguous():
+            raise ValueError(f"{d.name}: in-place apply needs a contiguous tensor")
+    for d in writes:
+        write_bits(base[d.name], d.positions, d.new_bits)
+    return {d.name: d.nnz for d in writes}

@@ -1,0 +1,59 @@
+"""A trainer source whose tensors are already canonical (held whole on this rank).
+
+Used where the trainer side hands over Hugging Face-named tensors: NeMo-RL's export on each
+policy rank, the refit benchmark.  The layout is the identity; with ``owned``, this rank
+captures only those tensors (every other tensor gets an empty range), so several ranks that all
+see the whole export split the capture, routing and encoding between them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from nemo_dcr.types import SparseDelta, host_bits, spec_of
+from nemo_dcr.verify.checksum import tensor_checksum
+
+
+class CanonicalSource:
+    """Canonical tensors as a :class:`~nemo_dcr.refit.source.TrainerSource`.
+
+    Args:
+        tensors: canonical name -> live tensor (contiguous); written in place by the caller.
+        owned: names this rank captures (default: all).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], owned: Iterable[str] | None = None):
+        self.params = dict(tensors)
+        bad = [n for n, t in self.params.items() if not t.is_contiguous()]
+        if bad:
+            raise ValueError(f"tensors must be contiguous: {bad[:5]}")
+        own = set(self.params) if owned is None else set(owned)
+        unknown = sorted(own - set(self.params))
+        if unknown:
+            raise ValueError(f"owned names not among the tensors: {unknown[:5]}")
+        self.canonical = {n: (spec_of(t.dtype).name, tuple(t.shape)) for n, t in self.params.items()}
+        self.ranges = {n: (0, t.numel()) if n in own else (0, 0) for n, t in self.params.items()}
+
+    def _captured(self):
+        return [n for n, (lo, hi) in self.ranges.items() if hi > lo]
+
+    def remap(self, delta: SparseDelta) -> list[SparseDelta]:
+        """Identity: a captured delta is already canonical."""
+        return [delta]
+
+    def checksums(self) -> dict[str, int]:
+        """Checksums of the tensors this rank captures (full scan)."""
+        return {n: tensor_checksum(host_bits(self.params[n])) for n in self._captured()}
+
+    def pieces(self) -> list[SparseDelta]:
+        """Every captured element, with zero old bits."""
+        out = []
+        for n in self._captured():
+            t = self.params[n]
+            bits = host_bits(t).copy()
+            out.append(SparseDelta(n, spec_of(t.dtype).name, tuple(t.shape), np.arange(bits.size, dtype=np.int64),
+                                   bits, np.zeros_like(bits)))
+        return out
