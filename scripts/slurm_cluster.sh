@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A real two-node Slurm cluster on one machine, in network namespaces of its own.
 #
-#   scripts/slurm_cluster.sh check [--rate 100mbit] SBATCH [sbatch-args] [script-args]
+#   scripts/slurm_cluster.sh check [--rate 100mbit] [sbatch-options] SBATCH [script-args]
 #       up -> submit (sbatch, then poll) -> print the job's output -> down; exits with the job's code
 #   scripts/slurm_cluster.sh up [--rate 100mbit]      prints the cluster folder (DIR)
-#   scripts/slurm_cluster.sh submit --dir DIR SBATCH [args]
+#   scripts/slurm_cluster.sh submit --dir DIR [sbatch-options] SBATCH [script-args]
 #   scripts/slurm_cluster.sh shape --dir DIR RATE|off  rate limit on both nodes' links (tc tbf)
 #   scripts/slurm_cluster.sh down --dir DIR
 #
@@ -77,7 +77,12 @@ ns_of() { echo "dcr${ID}$1"; }                     # namespace name of ctl / n1 
 in_ns() { local ns="$1"; shift; nsenter --net="/run/netns/$ns" "$@"; }
 in_ctl() { in_ns "$(ns_of ctl)" env SLURM_CONF="$DIR/slurm.conf" "$@"; }
 
-record_pid() { echo "$1 $2" >>"$DIR/pids"; }      # PID and the command name it must have
+# PID and the command it runs; a launcher that has not exec'd it yet counts as the same.
+record_pid() { echo "$1 $2" >>"$DIR/pids"; }
+is_ours() {                                        # PID still runs NAME (or its launcher)?
+  local comm; comm="$(cat "/proc/$1/comm" 2>/dev/null)" || return 1
+  case "$comm" in "$2"|setpriv|unshare|nsenter|sh) return 0 ;; *) return 1 ;; esac
+}
 
 # ---------------------------------------------------------------- network
 make_network() {
@@ -232,26 +237,25 @@ do_up() {
   log "up in $((SECONDS - t0)) s: $DIR"
 }
 
-# End PID if it still runs the command NAME (guards against a reused PID).
-end_pid() {
-  local pid="$1" name="$2" sig="$3"
-  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ] && kill "-$sig" "$pid" 2>/dev/null
-  return 0
+ns_pids() {                                        # every process in our namespaces
+  [ -f "$DIR/netns" ] || return 0
+  local ns
+  while read -r ns; do ip netns pids "$ns" 2>/dev/null || true; done <"$DIR/netns"
 }
-
-ns_pids() { [ -f "$DIR/netns" ] && while read -r ns; do ip netns pids "$ns" 2>/dev/null; done <"$DIR/netns"; return 0; }
 
 alive() {
   local pid name n=0
   [ -f "$DIR/pids" ] && while read -r pid name; do
-    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ] && n=$((n + 1))
+    if is_ours "$pid" "$name"; then n=$((n + 1)); fi
   done <"$DIR/pids"
   echo $((n + $(ns_pids | wc -l)))
 }
 
 signal_all() {
   local sig="$1" pid name
-  [ -f "$DIR/pids" ] && while read -r pid name; do end_pid "$pid" "$name" "$sig"; done <"$DIR/pids"
+  [ -f "$DIR/pids" ] && while read -r pid name; do
+    if is_ours "$pid" "$name"; then kill "-$sig" "$pid" 2>/dev/null || true; fi
+  done <"$DIR/pids"
   for pid in $(ns_pids); do kill "-$sig" "$pid" 2>/dev/null || true; done
 }
 
