@@ -62,6 +62,8 @@ require_host() {
   local probe="dcrprobe$$"
   ip netns add "$probe" 2>/dev/null || skip "cannot create network namespaces (ip netns add)"
   ip netns del "$probe"
+  unshare --uts --mount sh -c 'hostname dcrprobe && mount --bind /etc/hosts /etc/hosts' 2>/dev/null \
+    || skip "cannot give a daemon its own hostname and /etc/hosts (unshare --uts --mount)"
 }
 
 # ---------------------------------------------------------------- state
@@ -221,6 +223,8 @@ do_up() {
   local parent="${SLURM_TMP:-${TMPDIR:-/tmp}}"
   DIR="$(mktemp -d "$parent/dcr-slurm.XXXXXX")"
   chmod 755 "$DIR"                                # munged (user munge) must reach its folder
+  setpriv --reuid=munge --regid=munge --clear-groups test -x "$DIR" \
+    || { rm -rf "$DIR"; die "user munge cannot reach $DIR: set SLURM_TMP to a folder it can"; }
   ID="${DIR##*.}"
   mkdir -p "$DIR/log"
   printf 'ID=%s\nDIR=%s\n' "$ID" "$DIR" >"$DIR/cluster.env"
