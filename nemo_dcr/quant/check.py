@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.capture.delta import SparseDelta
-from nemo_dcr.codec.dtypes import bits_view, spec_of
+from nemo_dcr.codec.dtypes import bits_view
 from nemo_dcr.quant.delta import block_elements
 from nemo_dcr.quant.fp8 import AMAX_FLOOR, Fp8Error, Fp8Scheme, check_scale_shape, scale_inv_from_amax
 
@@ -94,7 +94,7 @@ def check_fp8_changes(name: str, weight: torch.Tensor, scale: torch.Tensor, weig
     Raises:
         Fp8PayloadError: on the first violated rule of the module docstring.
     """
-    if spec_of(weight.dtype).name != "fp8_e4m3" or spec_of(scale.dtype).name != "fp32":
+    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
         raise Fp8PayloadError(f"{name}: engine holds {weight.dtype} / {scale.dtype}, expected float8_e4m3fn / float32")
     check_scale_shape(weight.shape, scale.shape, scheme, name)
     shape, block, grid = tuple(weight.shape), scheme.block_for(weight.shape), tuple(scale.shape)

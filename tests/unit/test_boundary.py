@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "nemo_dcr"
 FORBIDDEN = ("megatron", "nemo_rl", "vllm", "sglang", "transformers", "safetensors")
-CORE_DIRS = ("capture", "layout", "codec", "transport", "apply", "verify")
+CORE_DIRS = ("capture", "layout", "codec", "transport", "apply", "verify", "quant")
 CORE_FILES = ("checkpoint.py",)
 INTERNAL_FORBIDDEN_IN_CORE = ("nemo_dcr.adapters", "nemo_dcr.commands")
 
@@ -163,7 +163,7 @@ def test_no_framework_imports_outside_adapters():
 
 
 CORE_IMPORTS = ("nemo_dcr.codec", "nemo_dcr.verify.checksum", "nemo_dcr.codec.payload", "nemo_dcr.codec.dcr",
-                "nemo_dcr.codec.reference", "nemo_dcr.codec.header", "nemo_dcr.cli")
+                "nemo_dcr.codec.reference", "nemo_dcr.codec.header", "nemo_dcr.quant", "nemo_dcr.cli")
 
 
 def test_importing_core_loads_no_framework(tmp_path):
