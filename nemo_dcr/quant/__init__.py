@@ -24,10 +24,12 @@ from nemo_dcr.quant.fp8 import (
     dequantize,
     quantize,
 )
+from nemo_dcr.quant.linear import Fp8Linear, to_fp8_linears
 from nemo_dcr.quant.plan import DEFAULT_KEEP, Fp8Plan, Fp8Rule
 
 __all__ = [
-    "AMAX_FLOOR", "DEFAULT_KEEP", "E4M3_MAX", "Fp8DeltaStats", "Fp8Error", "Fp8PayloadError", "Fp8Plan", "Fp8Rule",
-    "Fp8Scheme", "Fp8ShapeError", "Fp8TensorDelta", "Fp8Weight", "NonFiniteWeightError", "block_amax",
+    "AMAX_FLOOR", "DEFAULT_KEEP", "E4M3_MAX", "Fp8DeltaStats", "Fp8Error", "Fp8Linear", "Fp8PayloadError", "Fp8Plan",
+    "Fp8Rule", "Fp8Scheme", "Fp8ShapeError", "Fp8TensorDelta", "Fp8Weight", "NonFiniteWeightError", "block_amax",
     "check_fp8_changes", "check_fp8_payload", "dequantize", "fp8_delta", "quantize", "scale_tensor_name",
+    "to_fp8_linears",
 ]

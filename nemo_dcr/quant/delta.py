@@ -164,10 +164,12 @@ def _touched_blocks(delta: SparseDelta, shape, block):
     gn = -(-n // bn)
     pos = delta.positions
     bid = (pos // n // bm) * gn + (pos % n) // bn
+    if -(-m // bm) * gn <= 1 << 16:
+        bid = bid.astype(np.uint16)  # numpy's stable sort is a radix sort for 16-bit keys
     order = np.argsort(bid, kind="stable")
     touched, starts, counts = np.unique(bid[order], return_index=True, return_counts=True)
     rank = np.repeat(np.arange(touched.size), counts)  # block rank of each element in `order`
-    return touched, starts, order, rank
+    return touched.astype(np.int64), starts, order, rank
 
 
 def _new_amax(name, delta, flat, amax_flat, shape, block):

@@ -205,4 +205,5 @@ def check_scale_shape(weight_shape, scale_shape, scheme: Fp8Scheme, name: str = 
     want = scheme.grid(check_matrix_shape(weight_shape, name))
     if tuple(int(s) for s in scale_shape) != want:
         raise Fp8ShapeError(f"{name}: scale shape {list(scale_shape)} does not match the {scheme.granularity} grid "
-                            f"{list(want)} of weight shape {list(weight_shape)} (block {scheme.block_for(weight_shape)})")
+                            f"{list(want)} of weight shape {list(weight_shape)} "
+                            f"(block {scheme.block_for(weight_shape)})")

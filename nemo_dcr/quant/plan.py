@@ -23,6 +23,8 @@ from nemo_dcr.capture.delta import SparseDelta
 from nemo_dcr.quant.delta import Fp8DeltaStats, fp8_delta, scale_tensor_name
 from nemo_dcr.quant.fp8 import Fp8Error, Fp8Scheme, quantize
 
+Tensors = dict[str, torch.Tensor]
+
 DEFAULT_KEEP = ("*embed_tokens*", "*lm_head*", "*norm*", "*.mlp.gate.weight", "*router*", "*.bias")
 
 
@@ -77,7 +79,7 @@ class Fp8Plan:
         """Names of every tensor the FP8 engine holds."""
         return list(self.kept) + [x for n in self.fp8 for x in (n, self.scale_names[n])]
 
-    def quantize_model(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def quantize_model(self, tensors: Mapping[str, torch.Tensor]) -> tuple[Tensors, Tensors]:
         """Full quantization (initial load, dense refit, resync).
 
         Returns:
@@ -92,7 +94,7 @@ class Fp8Plan:
         return engine, amax
 
     def deltas(self, bf16_deltas: Sequence[SparseDelta], tensors: Mapping[str, torch.Tensor],
-               amax: Mapping[str, torch.Tensor]) -> tuple[list[SparseDelta], dict[str, torch.Tensor], dict[str, Fp8DeltaStats]]:
+               amax: Mapping[str, torch.Tensor]) -> tuple[list[SparseDelta], Tensors, dict[str, Fp8DeltaStats]]:
         """The engine-side changes for a step, from the BF16 changes of every canonical tensor.
 
         Args:

@@ -1,4 +1,4 @@
-"""Engine-side FP8 checks: bad scales, NaN bytes, bytes that disagree with their scale -> clear error, nothing written."""
+"""Engine-side FP8 checks: bad scales, NaN bytes, bytes disagreeing with their scale -> clear error, no write."""
 
 from __future__ import annotations
 
