@@ -37,6 +37,7 @@ from nemo_dcr.quant.fp8 import (
     NonFiniteWeightError,
     check_matrix_shape,
     quantize_values,
+    quantize_with_reciprocal,
     scale_inv_from_amax,
 )
 
@@ -158,66 +159,69 @@ def _quantize_np(values: np.ndarray, scales: torch.Tensor) -> np.ndarray:
     return _bits(quantize_values(torch.from_numpy(values), scales), np.uint8)
 
 
-def _touched_blocks(delta: SparseDelta, shape, block):
-    """Changed elements grouped by block: block ids, group starts, the sort order and ranks."""
+def _values(bits: np.ndarray) -> torch.Tensor:
+    """fp32 tensor of bf16 bit patterns (exact)."""
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16).float()
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Per-block view of one step: block id of each changed element, old and new amax and scales."""
+
+    bid: torch.Tensor  # block id (row-major over the grid) of each changed element
+    touched: torch.Tensor  # bool per block
+    rescan: torch.Tensor  # bool per block: amax recomputed over the whole block
+    amax: torch.Tensor  # new amax per block
+    s0: torch.Tensor  # old scale per block
+    s1: torch.Tensor  # new scale per block
+    rescaled: torch.Tensor  # bool per block: scale bits changed
+
+
+def _blocks(delta, flat, amax, old_v, new_v, shape, block) -> _Blocks:
+    """Block ids of the changed elements and the new amax / scale of every block (no sort)."""
     (m, n), (bm, bn) = shape, block
-    gn = -(-n // bn)
-    pos = delta.positions
-    bid = (pos // n // bm) * gn + (pos % n) // bn
-    if -(-m // bm) * gn <= 1 << 16:
-        bid = bid.astype(np.uint16)  # numpy's stable sort is a radix sort for 16-bit keys
-    order = np.argsort(bid, kind="stable")
-    touched, starts, counts = np.unique(bid[order], return_index=True, return_counts=True)
-    rank = np.repeat(np.arange(touched.size), counts)  # block rank of each element in `order`
-    return touched.astype(np.int64), starts, order, rank
+    gn, nblocks = -(-n // bn), amax.numel()
+    rows = delta.positions // n  # numpy divides by a scalar without a hardware division per element
+    bid = torch.from_numpy((rows // bm) * gn + (delta.positions - rows * n) // bn)
+    max_old = torch.zeros(nblocks).scatter_reduce_(0, bid, old_v.abs(), "amax")
+    max_new = torch.zeros(nblocks).scatter_reduce_(0, bid, new_v.abs(), "amax")
+    touched = torch.bincount(bid, minlength=nblocks) > 0
+    a0 = amax.reshape(-1)
+    rescan = touched & ~(max_old < a0)  # a changed element held the old maximum
+    a1 = torch.where(touched, torch.maximum(a0, max_new), a0)
+    if bool(rescan.any()):
+        ids = rescan.nonzero().reshape(-1).numpy()
+        a1[rescan] = torch.from_numpy(_rescan_amax(delta.name, flat, ids, shape, block))
+    s0, s1 = scale_inv_from_amax(a0), scale_inv_from_amax(a1)
+    rescaled = touched & (s0.view(torch.int32) != s1.view(torch.int32))
+    return _Blocks(bid, touched, rescan, a1, s0, s1, rescaled)
 
 
-def _new_amax(name, delta, flat, amax_flat, shape, block):
-    """New amax of every touched block, and which blocks needed a rescan."""
-    touched, starts, order, rank = _touched_blocks(delta, shape, block)
-    old_v, new_v = bf16_values(delta.old_bits)[order], bf16_values(delta.new_bits)[order]
-    _finite(name, new_v, delta.positions[order], "target")
-    _finite(name, old_v, delta.positions[order], "base")
-    if touched.size == 0:
-        return touched, order, rank, np.zeros(0, np.float32), np.zeros(0, bool)
-    max_old = np.maximum.reduceat(np.abs(old_v), starts)
-    max_new = np.maximum.reduceat(np.abs(new_v), starts)
-    a0 = amax_flat[touched]
-    rescan = ~(max_old < a0)
-    a1 = np.maximum(a0, max_new)
-    if rescan.any():
-        a1[rescan] = _rescan_amax(name, flat, touched[rescan], shape, block)
-    return touched, order, rank, a1, rescan
+def _element_changes(delta, old_v, new_v, b: _Blocks):
+    """Changed bytes of changed elements in blocks whose scale is unchanged (positions stay sorted)."""
+    q0 = quantize_with_reciprocal(old_v, (1.0 / b.s0)[b.bid]).view(torch.uint8)
+    q1 = quantize_with_reciprocal(new_v, (1.0 / b.s1)[b.bid]).view(torch.uint8)
+    keep = ((q0 != q1) & ~b.rescaled[b.bid]).numpy()
+    return delta.positions[keep], q1.numpy()[keep], q0.numpy()[keep]
 
 
-def _kept_scale_changes(delta, order, rank, keep, s0, s1):
-    """Changed bytes of changed elements in blocks whose scale is unchanged."""
-    sel = keep[rank]
-    pos = delta.positions[order][sel]
-    r = torch.from_numpy(rank[sel])
-    q0 = _quantize_np(bf16_values(delta.old_bits[order][sel]), s0[r])
-    q1 = _quantize_np(bf16_values(delta.new_bits[order][sel]), s1[r])
-    diff = q0 != q1
-    return pos[diff], q1[diff], q0[diff]
-
-
-def _rescaled_changes(changed, flat, blocks, s0, s1, shape, block):
-    """Changed bytes of whole ``blocks`` whose scale changed (``s0``/``s1``: their old/new scales).
-
-    ``changed`` = (positions, old bits, rank in ``blocks``) of the BF16 changes inside them.
-    """
-    c_pos, c_old, c_rank = changed
+def _rescaled_changes(delta, flat, b: _Blocks, shape, block):
+    """Changed bytes of the whole blocks whose scale changed, re-quantized with old and new scales."""
+    blocks = b.rescaled.nonzero().reshape(-1).numpy()
+    inside = b.rescaled[b.bid].numpy()
+    c_pos, c_old, c_bid = delta.positions[inside], delta.old_bits[inside], b.bid.numpy()[inside]
     parts = []
     for s in range(0, blocks.size, BLOCK_CHUNK):
-        idx, rank = block_elements(blocks[s : s + BLOCK_CHUNK], shape, block)
+        chunk = blocks[s : s + BLOCK_CHUNK]
+        idx, rank = block_elements(chunk, shape, block)
         order = np.argsort(idx)
-        idx, rank = idx[order], torch.from_numpy(rank[order] + s)
+        idx, ids = idx[order], torch.from_numpy(chunk[rank[order]])
         bits = flat[idx]
         old_bits = bits.copy()
-        mine = (c_rank >= s) & (c_rank < s + BLOCK_CHUNK)
+        mine = np.isin(c_bid, chunk)
         old_bits[np.searchsorted(idx, c_pos[mine])] = c_old[mine]
-        q1 = _quantize_np(bf16_values(bits), s1[rank])
-        q0 = _quantize_np(bf16_values(old_bits), s0[rank])
+        q1 = _quantize_np(bf16_values(bits), b.s1[ids])
+        q0 = _quantize_np(bf16_values(old_bits), b.s0[ids])
         diff = q0 != q1
         parts.append((idx[diff], q1[diff], q0[diff]))
     return parts
@@ -243,29 +247,25 @@ def fp8_delta(delta: SparseDelta, new: torch.Tensor, amax: torch.Tensor, scheme:
     """
     name = scale_name or scale_tensor_name(delta.name, scheme)
     flat = _check_inputs(delta, new, amax, scheme)
-    shape, block = tuple(new.shape), scheme.block_for(new.shape)
-    amax_flat = amax.reshape(-1).numpy()
-    touched, order, rank, a1, rescan = _new_amax(delta.name, delta, flat, amax_flat, shape, block)
-    s0 = scale_inv_from_amax(torch.from_numpy(amax_flat[touched]))
-    s1 = scale_inv_from_amax(torch.from_numpy(a1))
-    s0_bits, s1_bits = _bits(s0, np.uint32), _bits(s1, np.uint32)
-    rescaled = s0_bits != s1_bits
-    parts = [_kept_scale_changes(delta, order, rank, ~rescaled, s0, s1)]
-    sel = rescaled[rank]
-    new_rank = (np.cumsum(rescaled) - 1)[rank[sel]]  # rank among the rescaled blocks
-    changed = (delta.positions[order][sel], delta.old_bits[order][sel], new_rank)
-    parts += _rescaled_changes(changed, flat, touched[rescaled], s0[rescaled], s1[rescaled], shape, block)
-    pos = np.concatenate([p[0] for p in parts]).astype(np.int64)
-    srt = np.argsort(pos)
-    weight = SparseDelta(delta.name, "fp8_e4m3", shape, pos[srt],
-                         np.concatenate([p[1] for p in parts])[srt], np.concatenate([p[2] for p in parts])[srt])
-    grid = scheme.grid(shape)
-    scale = SparseDelta(name, "fp32", grid, touched[rescaled].astype(np.int64), s1_bits[rescaled], s0_bits[rescaled])
-    new_amax = amax.clone()
-    new_amax.view(-1)[torch.from_numpy(touched)] = torch.from_numpy(a1)
-    stats = Fp8DeltaStats(delta.numel, grid[0] * grid[1], delta.nnz, weight.nnz, int(touched.size),
-                          int(rescaled.sum()), int(rescan.sum()))
-    return Fp8TensorDelta(weight, scale, new_amax, stats)
+    shape, block, grid = tuple(new.shape), scheme.block_for(new.shape), scheme.grid(new.shape)
+    old_v, new_v = _values(delta.old_bits), _values(delta.new_bits)
+    _finite(delta.name, new_v.numpy(), delta.positions, "target")
+    _finite(delta.name, old_v.numpy(), delta.positions, "base")
+    b = _blocks(delta, flat, amax, old_v, new_v, shape, block)
+    parts = [_element_changes(delta, old_v, new_v, b)]
+    if bool(b.rescaled.any()):
+        parts += _rescaled_changes(delta, flat, b, shape, block)
+    pos, new_bits, old_bits = (np.concatenate(x) for x in zip(*parts))
+    if len(parts) > 1:
+        srt = np.argsort(pos, kind="stable")
+        pos, new_bits, old_bits = pos[srt], new_bits[srt], old_bits[srt]
+    weight = SparseDelta(delta.name, "fp8_e4m3", shape, pos.astype(np.int64), new_bits, old_bits)
+    ids = b.rescaled.nonzero().reshape(-1)
+    scale = SparseDelta(name, "fp32", grid, ids.numpy().astype(np.int64), _bits(b.s1[ids], np.uint32),
+                        _bits(b.s0[ids], np.uint32))
+    stats = Fp8DeltaStats(delta.numel, grid[0] * grid[1], delta.nnz, weight.nnz, int(b.touched.sum()),
+                          int(ids.numel()), int(b.rescan.sum()))
+    return Fp8TensorDelta(weight, scale, b.amax.reshape(grid), stats)
 
 
 def scale_tensor_name(weight_name: str, scheme: Fp8Scheme = Fp8Scheme()) -> str:

@@ -130,7 +130,12 @@ def scale_inv_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize_values(values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """e4m3 of ``values`` with the (broadcast) fp32 ``scale_inv`` of their blocks (step 3)."""
-    scaled = values.to(torch.float32) * (1.0 / scale_inv.to(torch.float32))
+    return quantize_with_reciprocal(values, 1.0 / scale_inv.to(torch.float32))
+
+
+def quantize_with_reciprocal(values: torch.Tensor, reciprocal: torch.Tensor) -> torch.Tensor:
+    """Step 3 given ``reciprocal = 1.0 / scale_inv`` (fp32, computed once per block)."""
+    scaled = values.to(torch.float32) * reciprocal
     return scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
 
 
