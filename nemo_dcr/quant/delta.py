@@ -85,9 +85,9 @@ class Fp8TensorDelta:
     stats: Fp8DeltaStats
 
 
-def bf16_values(bits: np.ndarray) -> np.ndarray:
-    """float32 values of bf16 bit patterns (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+def bf16_values(bits: np.ndarray) -> torch.Tensor:
+    """fp32 tensor of the values of bf16 bit patterns (exact)."""
+    return torch.from_numpy(np.ascontiguousarray(bits, dtype=np.uint16).view(np.int16)).view(torch.bfloat16).float()
 
 
 def _bits(t: torch.Tensor, dtype) -> np.ndarray:
@@ -107,6 +107,8 @@ def _check_inputs(delta: SparseDelta, new: torch.Tensor, amax: torch.Tensor, sch
     if tuple(amax.shape) != grid or amax.dtype != torch.float32:
         raise Fp8ShapeError(f"{name}: amax state must be fp32 of the grid shape {list(grid)}, "
                             f"got {amax.dtype}{list(amax.shape)}")
+    if not bool((amax >= 0).all()) or not bool(torch.isfinite(amax).all()):
+        raise Fp8Error(f"{name}: amax state holds negative, NaN or Inf values: it is not a quantization state")
     if delta.old_bits is None or delta.old_bits.size != delta.nnz or delta.new_bits.size != delta.nnz:
         raise Fp8Error(f"{name}: the FP8 delta needs old and new bits for every changed position")
     pos = delta.positions
@@ -120,8 +122,8 @@ def _check_inputs(delta: SparseDelta, new: torch.Tensor, amax: torch.Tensor, sch
     return flat
 
 
-def _finite(name: str, values: np.ndarray, positions: np.ndarray, what: str) -> None:
-    bad = np.flatnonzero(~np.isfinite(values))
+def _finite(name: str, values: torch.Tensor, positions: np.ndarray, what: str) -> None:
+    bad = (~torch.isfinite(values)).nonzero().reshape(-1).numpy()
     if bad.size:
         raise NonFiniteWeightError(f"{name}: {bad.size} NaN/Inf {what} values, first at flat index "
                                    f"{int(positions[bad[0]])} ({float(values[bad[0]])}); refusing to quantize")
@@ -149,19 +151,14 @@ def _rescan_amax(name: str, flat: np.ndarray, blocks: np.ndarray, shape, block) 
         idx, rank = block_elements(blocks[s : s + BLOCK_CHUNK], shape, block)
         vals = bf16_values(flat[idx])
         _finite(name, vals, idx, "target")
-        starts = np.searchsorted(rank, np.arange(rank[-1] + 1))  # elements come grouped by block
-        out[s : s + starts.size] = np.maximum.reduceat(np.abs(vals), starts)
+        k = int(rank[-1]) + 1
+        out[s : s + k] = torch.zeros(k).scatter_reduce_(0, torch.from_numpy(rank), vals.abs(), "amax").numpy()
     return out
 
 
-def _quantize_np(values: np.ndarray, scales: torch.Tensor) -> np.ndarray:
+def _quantize_bytes(values: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     """FP8 bytes (uint8) of fp32 ``values`` with their per-element fp32 ``scales``."""
-    return _bits(quantize_values(torch.from_numpy(values), scales), np.uint8)
-
-
-def _values(bits: np.ndarray) -> torch.Tensor:
-    """fp32 tensor of bf16 bit patterns (exact)."""
-    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16).float()
+    return _bits(quantize_values(values, scales), np.uint8)
 
 
 @dataclass(frozen=True)
@@ -220,8 +217,8 @@ def _rescaled_changes(delta, flat, b: _Blocks, shape, block):
         old_bits = bits.copy()
         mine = np.isin(c_bid, chunk)
         old_bits[np.searchsorted(idx, c_pos[mine])] = c_old[mine]
-        q1 = _quantize_np(bf16_values(bits), b.s1[ids])
-        q0 = _quantize_np(bf16_values(old_bits), b.s0[ids])
+        q1 = _quantize_bytes(bf16_values(bits), b.s1[ids])
+        q0 = _quantize_bytes(bf16_values(old_bits), b.s0[ids])
         diff = q0 != q1
         parts.append((idx[diff], q1[diff], q0[diff]))
     return parts
@@ -248,9 +245,9 @@ def fp8_delta(delta: SparseDelta, new: torch.Tensor, amax: torch.Tensor, scheme:
     name = scale_name or scale_tensor_name(delta.name, scheme)
     flat = _check_inputs(delta, new, amax, scheme)
     shape, block, grid = tuple(new.shape), scheme.block_for(new.shape), scheme.grid(new.shape)
-    old_v, new_v = _values(delta.old_bits), _values(delta.new_bits)
-    _finite(delta.name, new_v.numpy(), delta.positions, "target")
-    _finite(delta.name, old_v.numpy(), delta.positions, "base")
+    old_v, new_v = bf16_values(delta.old_bits), bf16_values(delta.new_bits)
+    _finite(delta.name, new_v, delta.positions, "target")
+    _finite(delta.name, old_v, delta.positions, "base")
     b = _blocks(delta, flat, amax, old_v, new_v, shape, block)
     parts = [_element_changes(delta, old_v, new_v, b)]
     if bool(b.rescaled.any()):

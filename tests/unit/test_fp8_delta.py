@@ -193,6 +193,8 @@ def test_inconsistent_inputs_are_refused():
         quant.fp8_delta(type(d)(d.name, d.dtype, d.shape, d.positions, d.new_bits), w1, a0)
     with pytest.raises(quant.Fp8Error, match="bf16"):
         quant.fp8_delta(d, w1.float(), a0)
+    with pytest.raises(quant.Fp8Error, match="not a quantization state"):
+        quant.fp8_delta(d, w1, torch.full_like(a0, float("nan")))
     plan = quant.Fp8Plan.build({"w.weight": (256, 256)})
     with pytest.raises(quant.Fp8Error, match="not a tensor of this plan"):
         plan.deltas([type(d)("other.weight", d.dtype, d.shape, d.positions, d.new_bits, d.old_bits)], {}, {})
