@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import DtypeSpec
-from .dcr import decode_dcr, encode_dcr
+from .dcr import DcrIndex, decode_dcr, encode_dcr
 from .errors import MalformedRecordError, UnknownEncodingError
 from .reference import decode_reference, encode_reference
 
@@ -13,7 +13,8 @@ ENCODINGS = ("same", "raw", "reference", "dcr")
 SPARSE_ENCODINGS = ("reference", "dcr")
 
 
-def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec):
+def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec,
+                  index: DcrIndex | None = None):
     """``(encoding, body, params)`` for one tensor; falls back to ``raw`` when that is not larger.
 
     Args:
@@ -22,13 +23,14 @@ def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, n
         positions: strictly increasing changed positions (int64).
         new_bits: new bits at ``positions``.
         spec: dtype facts.
+        index: kept class index of ``base_bits`` (``dcr`` only; see :mod:`.dcr.class_index`).
     """
     if positions.size == 0:
         return "same", b"", {}
     dense_len = base_bits.size * spec.width
     if encoding in SPARSE_ENCODINGS:
         if encoding == "dcr":
-            body, params = encode_dcr(base_bits, positions, new_bits, spec), {}
+            body, params = encode_dcr(base_bits, positions, new_bits, spec, index), {}
         else:
             body, params = encode_reference(base_bits, positions, new_bits, spec)
         if len(body) < dense_len:
@@ -40,8 +42,11 @@ def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, n
     return "raw", full.astype(spec.uint.newbyteorder("<")).tobytes(), {}
 
 
-def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec):
-    """Positions and new bits of one record; validates, writes nothing."""
+def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec, index: DcrIndex | None = None):
+    """Positions and new bits of one record; validates, writes nothing.
+
+    ``index``: kept class index of ``base_bits`` (``dcr`` only; see :mod:`.dcr.class_index`).
+    """
     name, enc = info.name, info.encoding
     if enc == "same":
         if info.changed or len(body):
@@ -56,5 +61,5 @@ def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec):
     if enc == "reference":
         return decode_reference(body, info.params, info.changed, base_bits, spec, name)
     if enc == "dcr":
-        return decode_dcr(body, base_bits, spec, name)
+        return decode_dcr(body, base_bits, spec, name, index)
     raise UnknownEncodingError(f"unknown encoding {enc!r}; known: {', '.join(ENCODINGS)}", name)
