@@ -117,12 +117,14 @@ class DcrIndexes:
     Attributes:
         builds: indexes built so far (first use, after a drop, or a stale one replaced).
         moves: class moves applied by updates so far.
+        failed: updates that found an index inconsistent (that index was dropped).
     """
 
     def __init__(self):
         self._ix: dict[str, DcrIndex] = {}
         self.builds = 0
         self.moves = 0
+        self.failed = 0
 
     def get(self, name: str, bits: np.ndarray, spec: DtypeSpec, checksum: int) -> DcrIndex:
         """The index of ``name`` for base ``bits`` whose checksum is ``checksum``; built when
@@ -134,7 +136,11 @@ class DcrIndexes:
         return ix
 
     def update(self, deltas: Iterable[SparseDelta]) -> None:
-        """Apply committed deltas (``old_bits`` set) to the indexes held; unknown names are skipped."""
+        """Apply committed deltas (``old_bits`` set) to the indexes held; unknown names are skipped.
+
+        Never raises for an inconsistent index: that index is dropped (rebuilt on next use) and
+        counted in :attr:`failed`, since the version it follows is already committed.
+        """
         for d in deltas:
             ix = self._ix.get(d.name)
             if ix is None or not d.nnz:
@@ -143,7 +149,7 @@ class DcrIndexes:
                 self.moves += ix.update(d.positions, d.old_bits, d.new_bits)
             except StaleIndexError:
                 del self._ix[d.name]
-                raise
+                self.failed += 1
 
     def drop(self, names: Iterable[str] | None = None) -> None:
         """Forget the indexes of ``names`` (all when None): their tensors were overwritten."""
