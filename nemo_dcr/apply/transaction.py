@@ -124,7 +124,7 @@ class UndoLog:
 
 
 def _readback(view: torch.Tensor, pos: torch.Tensor, dtype: str) -> np.ndarray:
-    return view[pos].cpu().numpy().view(DTYPES[dtype].uint)
+    return read_bits(view, pos).cpu().numpy().view(DTYPES[dtype].uint)
 
 
 def _check_versions(headers, version: int, resync: bool) -> int:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import zstandard
 
@@ -47,6 +48,13 @@ class RecordInfo:
     target_checksum: str
     params: dict = field(default_factory=dict)
 
+    def to_json(self) -> dict:
+        """The record's JSON object (keys in field order, as ``dataclasses.asdict`` gives them)."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "numel": self.numel,
+                "encoding": self.encoding, "changed": self.changed, "length": self.length, "crc": self.crc,
+                "base_checksum": self.base_checksum, "target_checksum": self.target_checksum,
+                "params": copy.deepcopy(self.params)}
+
 
 @dataclass(frozen=True)
 class PayloadHeader:
@@ -61,10 +69,9 @@ class PayloadHeader:
     records: tuple[RecordInfo, ...]
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["encodings"] = list(self.encodings)
-        d["records"] = [dict(asdict(r), shape=list(r.shape)) for r in self.records]
-        return {"format": FORMAT_NAME, **d}
+        return {"format": FORMAT_NAME, "model": self.model, "run": self.run, "base_version": self.base_version,
+                "target_version": self.target_version, "base_checksum": self.base_checksum,
+                "encodings": list(self.encodings), "records": [r.to_json() for r in self.records]}
 
 
 def pack_preamble_and_header(header: PayloadHeader, authenticated: bool) -> bytes:

@@ -217,8 +217,7 @@ def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
     for r, body in zip(header.records, bodies):
         spec, bits, have = _check_against(r, base, base_checksums)
         index = indexes.get(r.name, bits, spec, have) if indexes is not None and r.encoding == "dcr" else None
-        pos, new = decode_record(r, body, bits, spec, index)
-        old = bits[pos]
+        pos, new, old = decode_record(r, body, bits, spec, index)
         if pos.size != r.changed or (old == new).any():
             raise MalformedRecordError(f"decoded {pos.size} changes ({int((old == new).sum())} no-ops), "
                                        f"header says {r.changed}", r.name)

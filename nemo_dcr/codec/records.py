@@ -43,10 +43,18 @@ def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, n
 
 
 def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec, index: DcrIndex | None = None):
-    """Positions and new bits of one record; validates, writes nothing.
+    """Positions, new bits and old bits of one record; validates, writes nothing.
 
     ``index``: kept class index of ``base_bits`` (``dcr`` only; see :mod:`.dcr.class_index`).
     """
+    if info.encoding == "dcr":
+        return decode_dcr(body, base_bits, spec, info.name, index, with_old=True)
+    pos, new = _decode_other(info, body, base_bits, spec)
+    return pos, new, base_bits[pos]
+
+
+def _decode_other(info, body, base_bits: np.ndarray, spec: DtypeSpec):
+    """Positions and new bits of a ``same``, ``raw`` or ``reference`` record."""
     name, enc = info.name, info.encoding
     if enc == "same":
         if info.changed or len(body):
@@ -60,6 +68,4 @@ def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec, index: Dcr
         return positions, new[positions]
     if enc == "reference":
         return decode_reference(body, info.params, info.changed, base_bits, spec, name)
-    if enc == "dcr":
-        return decode_dcr(body, base_bits, spec, name, index)
     raise UnknownEncodingError(f"unknown encoding {enc!r}; known: {', '.join(ENCODINGS)}", name)

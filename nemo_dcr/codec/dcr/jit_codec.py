@@ -11,7 +11,8 @@ from .class_index import DcrIndex, StaleIndexError
 from .decode import decode_dcr_np
 from .encode import encode_dcr_np
 from .groups import MIN_GROUP_CHANGES
-from .jit_decode import ERR, finish, kept_select, onepass_hist, onepass_select, parse
+from .jit_decode import ERR, finish, onepass_hist, onepass_select, parse
+from .jit_index import select
 from .jit_encode import encode_kernel, onepass_ranks
 
 EXACT = 1 << 53  # sums of Rice values from here on have an inexact float mean: numpy decides k
@@ -83,7 +84,7 @@ def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str,
     cls, kk, val, eref, code = parse(raw, hist, spec.bits, shift, spec.exp_bits)
     if code:
         _refuse(code, body, base_bits, spec, name)
-    pos = kept_select(cls, kk, *index.tables()) if index is not None else \
+    pos = select(cls, kk, *index.tables()) if index is not None else \
         onepass_select(base_bits, shift, emask, cls, kk)
     pos, new, old, code = finish(base_bits, pos, val, eref, spec.bits, shift, spec.exp_bits)
     if code:

@@ -265,15 +265,6 @@ def parse(body, hist, nbits, mb, exp_bits):
 
 # ------------------------------------------------------------------------------------------ places
 @njit
-def kept_select(cls, kk, order, lfirst, sbefore, sup):
-    """Flat index of each (class, rank in class) through a kept index."""
-    pos = np.empty(cls.size, np.int64)
-    for i in range(cls.size):
-        pos[i] = K.select(cls[i], kk[i], order, lfirst, sbefore, sup)
-    return pos
-
-
-@njit
 def onepass_hist(bits, shift, emask):
     """Class histogram of ``bits`` (four counter tables break the store-to-load chains)."""
     t = np.zeros((4, emask + 1), np.int64)

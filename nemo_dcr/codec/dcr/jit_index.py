@@ -14,9 +14,9 @@ Layout, for a tensor of ``n`` elements with ``E`` exponent classes, cut into blo
 
 The rank of element ``p`` (class ``c``, block ``b``) among the elements of its class is
 ``sup[c, b // S] + sbefore[c, b] + j`` with ``j`` its place in its run (binary search).
-A class move (an element whose exponent changed) shifts entries inside one block's ``order``
-and adjusts at most 15 ``sbefore`` entries per class; a block with many moves is re-sorted
-from the classes the index itself holds.  ``sup`` rows of the classes that moved are summed
+Class moves (elements whose exponent changed) rewrite their block's ``order`` once, between the
+first and the last moved entry (segment copies), and adjust at most 15 ``sbefore`` entries per
+class each.  ``sup`` rows of the classes that moved are summed
 again per update (``nsb`` additions each).
 """
 
@@ -29,7 +29,6 @@ from ...kernels.jit import njit
 BSHIFT = 12
 BLOCK = 1 << BSHIFT
 SSHIFT = 4  # blocks per superblock = 16
-RESORT = 16  # moves in one block above which the block is re-sorted instead of shifted
 
 
 @njit
@@ -95,119 +94,167 @@ def build(bits, shift, emask, order, lfirst, sbefore, sup):
 
 @njit
 def find(order, lo, hi, loc):
-    """Index in ``order[lo:hi]`` (sorted) of the first entry ``>= loc``."""
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if order[mid] < loc:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    """Index in ``order[lo:hi]`` (sorted) of the first entry ``>= loc`` (branch-free halving)."""
+    n = hi - lo
+    while n > 1:
+        half = n >> 1
+        lo += half * (order[lo + half - 1] < loc)
+        n -= half
+    return lo + (n == 1 and order[lo] < loc)
 
 
 @njit
-def select(c, k, order, lfirst, sbefore, sup):
-    """Flat index of the element of rank ``k`` (``0 <= k < hist[c]``) among those of class ``c``."""
-    lo, hi = 0, sup.shape[1] - 2  # last superblock whose start count is <= k
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        if sup[c, mid] <= k:
-            lo = mid
-        else:
-            hi = mid - 1
-    k -= sup[c, lo]
-    b = lo << SSHIFT
-    end = min(b + (1 << SSHIFT), lfirst.shape[0])
-    while b + 1 < end and sbefore[c, b + 1] <= k:
-        b += 1
-    k -= sbefore[c, b]
-    return (b << BSHIFT) + np.int64(order[(b << BSHIFT) + lfirst[b, c] + k])
+def near(order, lo, hi, loc, g, at_g):
+    """Index in ``order[lo:hi]`` (sorted, non-empty) of the first entry ``>= loc``, starting from
+    a guess ``g`` whose entry ``at_g`` is already loaded: gallop to bracket it, then halve."""
+    step = 1
+    if at_g < loc:
+        while g + step < hi and order[g + step] < loc:
+            g += step
+            step <<= 1
+        return find(order, g + 1, min(g + step, hi), loc)
+    while g - step >= lo and order[g - step] >= loc:
+        g -= step
+        step <<= 1
+    return find(order, max(lo, g - step + 1), g, loc)
 
 
 @njit
-def _search(order, lo, ln, loc, w):
-    """Batched branchless search: for each of ``w`` sorted runs ``order[lo[k] : lo[k] + ln[k]]``
-    (non-empty), ``lo[k]`` ends at the last entry ``<= loc[k]``.  The ``w`` searches advance
-    together, so their loads overlap instead of waiting on each other."""
-    while True:
-        longest = 0
-        for k in range(w):
-            half = ln[k] >> 1
-            lo[k] += half * (order[lo[k] + half] <= loc[k])
-            ln[k] -= half
-            longest = max(longest, ln[k])
-        if longest <= 1:
-            return
+def _first(sup):
+    """Class-order start of each class."""
+    E, nsb = sup.shape[0], sup.shape[1] - 1
+    first = np.zeros(E, np.int64)
+    for c in range(1, E):
+        first[c] = first[c - 1] + sup[c - 1, nsb]
+    return first
 
 
 @njit
 def ranks(bits, positions, shift, emask, order, lfirst, sbefore, sup, out):
     """Class-order position of each changed element; returns the first entry the index does not
-    hold (stale index) or that is out of order or range, else -1."""
-    E, nsb, W = sup.shape[0], sup.shape[1] - 1, 16
-    first = np.zeros(E, np.int64)
-    for c in range(1, E):
-        first[c] = first[c - 1] + sup[c - 1, nsb]
-    lo, ln, loc, start = np.empty(W, np.int64), np.empty(W, np.int64), np.empty(W, np.int64), np.empty(W, np.int64)
+    hold (stale index) or that is out of order or range, else -1.
+
+    Separate passes (classes, run bounds, the entry where a uniform run would hold each element,
+    searches from there) keep each pass's loads independent and branch-free, so the cache misses
+    of many changes overlap instead of waiting on each other.
+    """
+    m, first = positions.size, _first(sup)
+    cls, lo, hi = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
     prev = -1
-    for j0 in range(0, positions.size, W):
-        w = min(W, positions.size - j0)
-        for k in range(w):
-            p = positions[j0 + k]
-            if p <= prev or p >= bits.size:
-                return j0 + k
-            prev = p
-            c, b = _cls(bits[p], shift, emask), p >> BSHIFT
-            lo[k] = start[k] = (b << BSHIFT) + lfirst[b, c]
-            ln[k], loc[k] = lfirst[b, c + 1] - lfirst[b, c], p & (BLOCK - 1)
-            if ln[k] == 0:
-                return j0 + k
-            out[j0 + k] = first[c] + sup[c, b >> SSHIFT] + sbefore[c, b]
-        _search(order, lo, ln, loc, w)
-        for k in range(w):
-            if order[lo[k]] != loc[k]:
-                return j0 + k
-            out[j0 + k] += lo[k] - start[k]
+    for j in range(m):
+        p = positions[j]
+        if p <= prev or p >= bits.size:
+            return j
+        prev = p
+        cls[j] = _cls(bits[p], shift, emask)
+    for j in range(m):
+        b, c = positions[j] >> BSHIFT, cls[j]
+        lo[j], hi[j] = (b << BSHIFT) + lfirst[b, c], (b << BSHIFT) + lfirst[b, c + 1]
+        out[j] = first[c] + sup[c, b >> SSHIFT] + sbefore[c, b] - lo[j]
+    guess, at_guess = np.empty(m, np.int64), np.empty(m, np.int64)
+    for j in range(m):
+        guess[j] = lo[j] + (((hi[j] - lo[j]) * (positions[j] & (BLOCK - 1))) >> BSHIFT)
+        at_guess[j] = order[min(guess[j], order.size - 1)]
+    for j in range(m):
+        loc = positions[j] & (BLOCK - 1)
+        if lo[j] == hi[j]:
+            return j
+        i = near(order, lo[j], hi[j], loc, guess[j], at_guess[j])
+        if i == hi[j] or order[i] != loc:
+            return j
+        out[j] += i
     return -1
 
 
 @njit
-def _shift_move(b, loc, c1, c2, order, lfirst):
-    """Move local element ``loc`` of block ``b`` from class ``c1``'s run to ``c2``'s (False when absent)."""
+def select(cls, kk, order, lfirst, sbefore, sup):
+    """Flat index of the element of each rank ``kk[i]`` (``< hist[c]``) among those of class
+    ``cls[i]``, in passes: superblock and block (from the per-class rows), then the block's run."""
+    m = cls.size
+    blk, at = np.empty(m, np.int64), np.empty(m, np.int64)
+    for i in range(m):
+        c, k = cls[i], kk[i]
+        lo, hi = 0, sup.shape[1] - 2  # last superblock whose start count is <= k
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if sup[c, mid] <= k:
+                lo = mid
+            else:
+                hi = mid - 1
+        k -= sup[c, lo]
+        b = lo << SSHIFT
+        end = min(b + (1 << SSHIFT), lfirst.shape[0])
+        while b + 1 < end and sbefore[c, b + 1] <= k:
+            b += 1
+        blk[i], at[i] = b, k - sbefore[c, b] + (b << BSHIFT)
+    for i in range(m):
+        at[i] += lfirst[blk[i], cls[i]]
+    for i in range(m):
+        at[i] = (blk[i] << BSHIFT) + np.int64(order[at[i]])
+    return at
+
+
+@njit
+def _block_events(b, locs, c1s, c2s, order, lfirst, keys):
+    """Sort keys of a block's move events in old-order index: an arrival (inserted before that
+    index, ordered by class and local index) sorts before a departure (that entry skipped).
+    Returns False when a departing element is not in its old class's run."""
     base = b << BSHIFT
-    lo, hi = base + lfirst[b, c1], base + lfirst[b, c1 + 1]
-    a = find(order, lo, hi, loc)
-    if a == hi or order[a] != loc:
-        return False
-    ins = find(order, base + lfirst[b, c2], base + lfirst[b, c2 + 1], loc)
-    if c1 < c2:
-        for t in range(a, ins - 1):
-            order[t] = order[t + 1]
-        order[ins - 1] = loc
-        for c in range(c1 + 1, c2 + 1):
-            lfirst[b, c] -= 1
-    else:
-        for t in range(a, ins, -1):
-            order[t] = order[t - 1]
-        order[ins] = loc
-        for c in range(c2 + 1, c1 + 1):
-            lfirst[b, c] += 1
+    for i in range(locs.size):
+        lo, hi = base + lfirst[b, c1s[i]], base + lfirst[b, c1s[i] + 1]
+        a = find(order, lo, hi, locs[i])
+        if a == hi or order[a] != locs[i]:
+            return False
+        ins = find(order, base + lfirst[b, c2s[i]], base + lfirst[b, c2s[i] + 1], locs[i])
+        keys[2 * i] = ((ins - base) << 22) | (c2s[i] << BSHIFT) | locs[i]
+        keys[2 * i + 1] = ((a - base) << 22) | (1 << 21)
     return True
 
 
 @njit
-def _resort(b, n, locs, c1s, c2s, order, lfirst, cls_of):
-    """Re-sort block ``b`` after the moves ``locs`` (``c1s`` -> ``c2s``); False when one is absent."""
-    E = lfirst.shape[1] - 1
+def _rewrite(b, keys, order, tmp):
+    """Rewrite block ``b``'s ``order`` between the first and last event (sorted ``keys``)."""
     base = b << BSHIFT
-    for c in range(E):
-        for t in range(lfirst[b, c], lfirst[b, c + 1]):
-            cls_of[order[base + t]] = c
-    for i in range(locs.size):
-        if cls_of[locs[i]] != c1s[i]:
-            return False
-        cls_of[locs[i]] = c2s[i]
-    _sort_block(b, n, cls_of, order, lfirst)
+    start = keys[0] >> 22
+    cur, t = start, 0
+    for key in keys:
+        at = key >> 22
+        n = at - cur
+        if n > 0:
+            tmp[t : t + n] = order[base + cur : base + at]
+            t, cur = t + n, at
+        if key & (1 << 21):
+            cur = at + 1
+        else:
+            tmp[t] = key & (BLOCK - 1)
+            t += 1
+    order[base + start : base + start + t] = tmp[:t]
+
+
+@njit
+def _move_block(b, locs, c1s, c2s, order, lfirst, keys, tmp):
+    """Apply the class moves of one block; False when one of them is not held as given."""
+    k = locs.size
+    if not _block_events(b, locs, c1s, c2s, order, lfirst, keys[: 2 * k]):
+        return False
+    ev = keys[: 2 * k]
+    if k > 16:
+        ev.sort()
+    else:
+        for i in range(1, 2 * k):  # insertion sort: a few events
+            x, t = ev[i], i - 1
+            while t >= 0 and ev[t] > x:
+                ev[t + 1] = ev[t]
+                t -= 1
+            ev[t + 1] = x
+    _rewrite(b, ev, order, tmp)
+    for i in range(k):
+        if c1s[i] < c2s[i]:
+            for c in range(c1s[i] + 1, c2s[i] + 1):
+                lfirst[b, c] -= 1
+        else:
+            for c in range(c2s[i] + 1, c1s[i] + 1):
+                lfirst[b, c] += 1
     return True
 
 
@@ -234,13 +281,14 @@ def _block_moves(j, e, positions, old, new, shift, emask, locs, c1s, c2s):
 def update(n, positions, old, new, shift, emask, order, lfirst, sbefore, sup):
     """Apply the class moves of a committed delta (positions increasing).
 
-    Returns ``(status, moves)``: status -1 when done, else the entry that was out of order or
-    range or whose old class the index does not hold there (the index is then inconsistent).
+    Each block with moves is rewritten once between its first and last event (segment copies),
+    so a block costs its moves' searches plus at most one copy of its order.  Returns
+    ``(status, moves)``: status -1 when done, else an entry that was out of order or range or
+    whose old class the index does not hold there (the index is then inconsistent).
     """
-    E = sup.shape[0]
-    dirty = np.zeros(E, np.bool_)
+    dirty = np.zeros(sup.shape[0], np.bool_)
     locs, c1s, c2s = np.empty(BLOCK, np.int64), np.empty(BLOCK, np.int64), np.empty(BLOCK, np.int64)
-    cls_of = np.empty(BLOCK, np.int64)
+    keys, tmp = np.empty(2 * BLOCK, np.int64), np.empty(2 * BLOCK, order.dtype)
     j, moves, prev = 0, 0, -1
     while j < positions.size:
         b = positions[j] >> BSHIFT
@@ -251,12 +299,9 @@ def update(n, positions, old, new, shift, emask, order, lfirst, sbefore, sup):
             prev = positions[e]
             e += 1
         k = _block_moves(j, e, positions, old, new, shift, emask, locs, c1s, c2s)
-        if k > RESORT:
-            if not _resort(b, n, locs[:k], c1s[:k], c2s[:k], order, lfirst, cls_of):
-                return j, moves
+        if k and not _move_block(b, locs[:k], c1s[:k], c2s[:k], order, lfirst, keys, tmp):
+            return j, moves
         for i in range(k):
-            if k <= RESORT and not _shift_move(b, locs[i], c1s[i], c2s[i], order, lfirst):
-                return j, moves
             _sbefore_move(b, c1s[i], c2s[i], sbefore)
             dirty[c1s[i]] = dirty[c2s[i]] = True
         moves += k
