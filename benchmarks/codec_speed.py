@@ -9,6 +9,8 @@ other jobs on a shared machine slow the figures less than wall time would.
 
 * memcpy (copy into a preallocated buffer) is the reference for the scan, checksum and apply;
 * scan: model GB/s (both tensors read) of the compiled scan vs memcpy and numpy's ``!=`` scan;
+* class scans: what ranking costs without a kept index, per pass over the model (the mean of
+  the encoder's rank pass and the decoder's class histogram);
 * checksum: GB/s of the compiled checksum vs the numpy one;
 * apply: ``write_bits`` of the delta into a copy vs a dense copy of the model;
 * ``dcr`` encode/decode: M changed elements/s, compiled with kept indexes, compiled with one
@@ -39,7 +41,9 @@ from nemo_dcr.codec.dcr import (DcrIndex, decode_dcr, decode_dcr_np, decode_dcr_
                                 encode_dcr_np, encode_dcr_per_group)
 from nemo_dcr.kernels import write_bits  # noqa: E402
 from nemo_dcr.kernels.scan import changed_bits_np  # noqa: E402
-from nemo_dcr.types import SparseDelta, bits_view, spec_of  # noqa: E402
+from nemo_dcr.codec.dcr.jit_decode import onepass_hist  # noqa: E402
+from nemo_dcr.codec.dcr.jit_encode import onepass_ranks  # noqa: E402
+from nemo_dcr.types import DTYPES, SparseDelta, bits_view, spec_of  # noqa: E402
 from nemo_dcr.verify.checksum import tensor_checksum, tensor_checksum_np, updated_checksum  # noqa: E402
 
 
@@ -76,6 +80,15 @@ def subsample(deltas, frac: float, seed: int = 0) -> list[SparseDelta]:
     return out
 
 
+def _rank_scans(olds, deltas):
+    """The one-pass class scans the coder makes without a kept index (encoder ranks; decoder
+    histogram), over every tensor."""
+    for x, d in zip(olds, deltas):
+        spec = DTYPES[d.dtype]
+        onepass_ranks(x, d.positions, spec.exp_shift, spec.n_exponents - 1, np.empty(d.nnz, np.int64))
+        onepass_hist(x, spec.exp_shift, spec.n_exponents - 1)
+
+
 def kernels(pair, deltas, reps: int) -> dict:
     """memcpy, scan, checksum and apply figures (GB/s of model and ratios)."""
     olds = [bits_view(a) for a, _ in pair.values()]
@@ -87,6 +100,7 @@ def kernels(pair, deltas, reps: int) -> dict:
          "scan": best(lambda: [changed_bits_np(b, a) for a, b in zip(olds, news)], reps),
          "scan numpy !=": best(lambda: [np.flatnonzero(b != a) for a, b in zip(olds, news)], reps),
          "checksum": best(lambda: [tensor_checksum(x) for x in olds], reps),
+         "class scans (no index)": best(lambda: _rank_scans(olds, deltas), reps) / 2,
          "checksum numpy": best(lambda: [tensor_checksum_np(x) for x in olds], max(1, reps // 2)),
          "write_bits delta": best(lambda: [write_bits(d, x.positions, x.new_bits)
                                            for d, x in zip(dst_t, deltas)], reps)}
@@ -174,7 +188,7 @@ def per_refit(pair, deltas, reps: int) -> dict:
 def report(k: dict, c: dict, r: dict) -> None:
     mc = k["memcpy"]["GBps"]
     print(f"model {k['model_bytes'] / 1e6:.0f} MB, {c['changed']:,} changed; CPU time of one core, best of N")
-    for name in ("memcpy", "scan", "scan numpy !=", "checksum", "checksum numpy"):
+    for name in ("memcpy", "scan", "scan numpy !=", "class scans (no index)", "checksum", "checksum numpy"):
         print(f"  {name:<18} {k[name]['GBps']:7.2f} GB/s of model   {k[name]['GBps'] / mc * 100:5.0f}% of memcpy")
     print(f"  write_bits of the delta {k['write_bits delta']['s'] * 1e3:7.1f} ms   dense copy "
           f"{k['memcpy']['s'] * 1e3:7.1f} ms   x{k['memcpy']['s'] / k['write_bits delta']['s']:.1f} faster")
@@ -193,6 +207,50 @@ def report(k: dict, c: dict, r: dict) -> None:
     print(f"  refit time ratio {r['ratio_full_over_tenth']:.1f}x for 10x the changes; index builds {r['builds']}")
 
 
+_COMPILE = """
+import time, numpy as np
+t0 = time.perf_counter()
+from nemo_dcr.codec.dcr import DcrIndex, decode_dcr, encode_dcr
+from nemo_dcr.kernels import scan_changes, write_bits
+from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
+from nemo_dcr.types import DTYPES, tensor_from_bits
+t1 = time.perf_counter()
+spec = DTYPES["bf16"]
+base = np.arange(10000, dtype=np.uint16)
+pos = np.arange(0, 10000, 7, dtype=np.int64)
+new = base[pos] ^ np.uint16(1 << 9)
+ix = DcrIndex.build(base, spec)
+body = encode_dcr(base, pos, new, spec, ix)
+encode_dcr(base, pos, new, spec)
+decode_dcr(body, base, spec, "t", ix)
+decode_dcr(body, base, spec, "t")
+ix.update(pos, base[pos], new)
+t = tensor_from_bits(base, spec, (10000,))
+scan_changes(t, t.clone())
+write_bits(t, pos, new)
+updated_checksum(tensor_checksum(base), pos, base[pos], new)
+print(t1 - t0, time.perf_counter() - t1)
+"""
+
+
+def compile_times() -> dict:
+    """Import and first-call seconds of every bf16 kernel in fresh processes: with an empty
+    numba cache (compiles), then with the cache that run wrote."""
+    import os
+    import subprocess
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        for label in ("cold", "cached"):
+            res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
+                                 cwd=Path(__file__).resolve().parent.parent, check=True)
+            imp, first = map(float, res.stdout.split())
+            out[label] = {"import_s": imp, "first_calls_s": first}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run")
@@ -203,10 +261,13 @@ def main() -> int:
     torch.set_num_threads(1)
     pair = load_pair(args.run, *args.pair)
     deltas = deltas_of(pair)
+    jit = compile_times()
     k, c, r = kernels(pair, deltas, args.reps), coders(pair, deltas, args.reps), per_refit(pair, deltas, args.reps)
     report(k, c, r)
+    print("  numba first use, wall s (import / first calls of the bf16 kernels): " +
+          ", ".join(f"{k} {v['import_s']:.1f} / {v['first_calls_s']:.1f}" for k, v in jit.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"kernels": k, "coders": c, "refit": r}, indent=1))
+        Path(args.json).write_text(json.dumps({"kernels": k, "coders": c, "refit": r, "jit": jit}, indent=1))
     return 0 if c["identical"] else 1
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -132,8 +133,11 @@ def _check_keys(obj, types: dict, where: str) -> None:
             raise MalformedHeaderError(f"{where}: key {k!r} must be {t.__name__}, got {type(obj[k]).__name__}")
 
 
+_HEX16 = re.compile("[0-9a-f]{16}")
+
+
 def _check_hex(value: str, where: str) -> int:
-    if len(value) != 16 or any(c not in "0123456789abcdef" for c in value):
+    if not _HEX16.fullmatch(value):
         raise MalformedHeaderError(f"{where}: {value!r} is not 16 lowercase hex digits")
     return int(value, 16)
 

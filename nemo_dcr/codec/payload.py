@@ -110,7 +110,7 @@ def encode_deltas(
         old = bits[d.positions]
         index = indexes.get(d.name, bits, spec, base_ck) if indexes is not None and encoding == "dcr" and d.nnz \
             else None
-        enc, body, params = encode_record(encoding, bits, d.positions, d.new_bits, spec, index)
+        enc, body, params = encode_record(encoding, bits, d.positions, d.new_bits, spec, index, old)
         target_ck = updated_checksum(base_ck, d.positions, old, d.new_bits)
         infos.append(RecordInfo(d.name, d.dtype, tuple(int(s) for s in d.shape), d.numel, enc, d.nnz,
                                 len(body), _crc(body), _hex(base_ck), _hex(target_ck), params))

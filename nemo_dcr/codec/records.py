@@ -14,7 +14,7 @@ SPARSE_ENCODINGS = ("reference", "dcr")
 
 
 def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec,
-                  index: DcrIndex | None = None):
+                  index: DcrIndex | None = None, old_bits: np.ndarray | None = None):
     """``(encoding, body, params)`` for one tensor; falls back to ``raw`` when that is not larger.
 
     Args:
@@ -24,13 +24,14 @@ def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, n
         new_bits: new bits at ``positions``.
         spec: dtype facts.
         index: kept class index of ``base_bits`` (``dcr`` only; see :mod:`.dcr.class_index`).
+        old_bits: ``base_bits[positions]`` when the caller has them.
     """
     if positions.size == 0:
         return "same", b"", {}
     dense_len = base_bits.size * spec.width
     if encoding in SPARSE_ENCODINGS:
         if encoding == "dcr":
-            body, params = encode_dcr(base_bits, positions, new_bits, spec, index), {}
+            body, params = encode_dcr(base_bits, positions, new_bits, spec, index, old_bits), {}
         else:
             body, params = encode_reference(base_bits, positions, new_bits, spec)
         if len(body) < dense_len:

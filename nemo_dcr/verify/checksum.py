@@ -114,6 +114,19 @@ def tensor_checksum_np(bits: np.ndarray, index_offset: int = 0) -> int:
     return total & MASK64
 
 
+@njit
+def _delta_sum(index, old, new):
+    total = np.uint64(0)
+    for i in range(index.size):
+        x = np.uint64(index[i]) * _K_IDX
+        total += _mix(x ^ (np.uint64(new[i]) + np.uint64(1)) * _K_BITS)
+        total -= _mix(x ^ (np.uint64(old[i]) + np.uint64(1)) * _K_BITS)
+    return total
+
+
 def updated_checksum(checksum: int, positions: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> int:
     """Checksum after replacing ``old_bits`` by ``new_bits`` at ``positions`` (cost ∝ changes)."""
-    return (checksum - hash_sum(positions, old_bits) + hash_sum(positions, new_bits)) & MASK64
+    positions, old_bits, new_bits = np.asarray(positions), np.asarray(old_bits), np.asarray(new_bits)
+    if not (positions.size == old_bits.size == new_bits.size):
+        raise ValueError(f"{positions.size} positions for {old_bits.size} old and {new_bits.size} new bit values")
+    return (checksum + int(_delta_sum(positions, old_bits, new_bits))) & MASK64

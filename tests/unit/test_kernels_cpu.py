@@ -9,7 +9,7 @@ import torch
 from nemo_dcr.kernels import read_bits, scan_changes, write_bits
 from nemo_dcr.kernels.scan import changed_bits_np
 from nemo_dcr.types import DTYPES, carrier, tensor_from_bits
-from nemo_dcr.verify.checksum import hash_sum, hash_sum_np, tensor_checksum, tensor_checksum_np
+from nemo_dcr.verify.checksum import hash_sum, hash_sum_np, tensor_checksum, tensor_checksum_np, updated_checksum
 
 UINTS = (np.uint8, np.uint16, np.uint32)
 
@@ -74,3 +74,14 @@ def test_checksums_equal_numpy(dtype):
             assert tensor_checksum(bits, off) == tensor_checksum_np(bits, off)
         idx = rng.integers(0, 1 << 62, n)
         assert hash_sum(idx, bits) == hash_sum_np(idx, bits)
+
+
+def test_updated_checksum_equals_a_full_one():
+    rng = np.random.default_rng(4)
+    bits = rng.integers(0, 1 << 16, 50_000, dtype=np.uint64).astype(np.uint16)
+    pos = np.sort(rng.choice(bits.size, 3000, replace=False))
+    new = bits.copy()
+    new[pos] = rng.integers(0, 1 << 16, pos.size, dtype=np.uint64).astype(np.uint16)
+    want = tensor_checksum_np(new)
+    assert updated_checksum(tensor_checksum_np(bits), pos, bits[pos], new[pos]) == want
+    assert (tensor_checksum_np(bits) - hash_sum_np(pos, bits[pos]) + hash_sum_np(pos, new[pos])) % 2**64 == want

@@ -81,10 +81,12 @@ class DcrIndex:
         """The arrays the codec kernels take, in their order."""
         return self.order, self.lfirst, self.sbefore, self.sup
 
-    def ranks(self, bits: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """(class, index)-order position of each of the increasing ``positions`` of ``bits``."""
+    def ranks(self, positions: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
+        """(class, index)-order position of each of the increasing ``positions`` (base bits there:
+        ``old_bits``)."""
         out = np.empty(positions.size, np.int64)
-        bad = K.ranks(bits, positions, self.spec.exp_shift, self.spec.n_exponents - 1, *self.tables(), out)
+        bad = K.ranks(old_bits, positions, self.n, self.spec.exp_shift, self.spec.n_exponents - 1, *self.tables(),
+                      out)
         if bad >= 0:
             raise StaleIndexError(f"position {int(positions[bad])} (entry {bad}) is out of order or range, or "
                                   f"the index does not hold its class")

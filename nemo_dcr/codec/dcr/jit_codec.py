@@ -18,14 +18,12 @@ from .jit_encode import encode_kernel, onepass_ranks
 EXACT = 1 << 53  # sums of Rice values from here on have an inexact float mean: numpy decides k
 
 
-def class_ranks(base_bits: np.ndarray, positions: np.ndarray, spec: DtypeSpec,
+def class_ranks(base_bits: np.ndarray, positions: np.ndarray, old_bits: np.ndarray, spec: DtypeSpec,
                 index: DcrIndex | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(class, index)-order position of each change and the class histogram of ``base_bits``."""
     if index is not None:
-        if index.n != base_bits.size or index.spec != spec:
-            raise StaleIndexError(f"index of {index.n} {index.spec.name} elements used with "
-                                  f"{base_bits.size} {spec.name} elements")
-        return index.ranks(base_bits, positions), index.hist
+        _check_index(index, base_bits, spec)
+        return index.ranks(positions, old_bits), index.hist
     s = np.empty(positions.size, np.int64)
     hist, bad = onepass_ranks(base_bits, positions, spec.exp_shift, spec.n_exponents - 1, s)
     if bad >= 0:
@@ -35,22 +33,24 @@ def class_ranks(base_bits: np.ndarray, positions: np.ndarray, spec: DtypeSpec,
 
 
 def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec,
-               index: DcrIndex | None = None) -> bytes:
+               index: DcrIndex | None = None, old_bits: np.ndarray | None = None) -> bytes:
     """Body of a ``dcr`` record for a non-empty change set (positions strictly increasing).
 
     With a kept ``index`` of ``base_bits`` the cost is proportional to the changes; without one
-    a single pass over ``base_bits`` ranks them.
+    a single pass over ``base_bits`` ranks them.  ``old_bits``: ``base_bits[positions]`` when the
+    caller has them already.
     """
     base_bits = np.ascontiguousarray(base_bits).reshape(-1)
     positions = np.ascontiguousarray(positions, np.int64)
-    s, hist = class_ranks(base_bits, positions, spec, index)
-    body = encode_kernel(base_bits, positions, np.ascontiguousarray(new_bits), s, hist, spec.bits,
-                         spec.exp_shift, spec.exp_bits, MIN_GROUP_CHANGES, EXACT)
+    if positions.size and (positions[0] < 0 or positions[-1] >= base_bits.size):
+        raise ValueError(f"dcr positions must increase inside [0, {base_bits.size})")
+    old = np.ascontiguousarray(base_bits[positions] if old_bits is None else old_bits)
+    s, hist = class_ranks(base_bits, positions, old, spec, index)
+    body = encode_kernel(old, np.ascontiguousarray(new_bits), s, hist, spec.bits, spec.exp_shift, spec.exp_bits,
+                         MIN_GROUP_CHANGES, EXACT)
     if body.size == 0:
         return encode_dcr_np(base_bits, positions, new_bits, spec)
     return body.tobytes()
-
-
 
 def _check_index(index: DcrIndex, base_bits: np.ndarray, spec: DtypeSpec) -> None:
     if index.n != base_bits.size or index.spec != spec:

@@ -225,14 +225,14 @@ def _table(lo, widths, stats, q_len, r_len):
 
 
 @njit
-def _sorted_changes(base, positions, new_bits, s, nbits, mb, emask):
+def _sorted_changes(old_bits, new_bits, s, nbits, mb, emask):
     """Changes in (class, index) order: class counts, global class-order position, step, new bits."""
-    m = positions.size
+    m = old_bits.size
     ones, sign = (1 << nbits) - 1, 1 << (nbits - 1)
     old, cls = np.empty(m, np.int64), np.empty(m, np.int64)
     ccount = np.zeros(emask + 1, np.int64)
     for i in range(m):
-        old[i] = np.int64(base[positions[i]]) & ones
+        old[i] = np.int64(old_bits[i]) & ones
         cls[i] = (old[i] >> mb) & emask
         ccount[cls[i]] += 1
     nxt = np.cumsum(ccount) - ccount
@@ -264,11 +264,12 @@ def _emit(G, gstart, sizes, rank, stats, work, qoff, mb):
 
 
 @njit
-def encode_kernel(base, positions, new_bits, s, hist, nbits, mb, exp_bits, min_group, exact):
-    """Body of a ``dcr`` record as uint8; an empty array when a Rice mean would be inexact (the
-    caller then uses the numpy encoder, whose float mean decides those cases)."""
-    m, emask = positions.size, (1 << exp_bits) - 1
-    ccount, rank, dd, nw = _sorted_changes(base, positions, new_bits, s, nbits, mb, emask)
+def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group, exact):
+    """Body of a ``dcr`` record as uint8 from the changes' old and new bits and class-order
+    positions ``s``; an empty array when a Rice mean would be inexact (the caller then uses the
+    numpy encoder, whose float mean decides those cases)."""
+    m, emask = old_bits.size, (1 << exp_bits) - 1
+    ccount, rank, dd, nw = _sorted_changes(old_bits, new_bits, s, nbits, mb, emask)
     lo, widths = _groups(ccount, min_group)
     G = widths.size
     bounds = np.zeros(G + 1, np.int64)

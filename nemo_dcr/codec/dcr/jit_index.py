@@ -29,6 +29,7 @@ from ...kernels.jit import njit
 BSHIFT = 12
 BLOCK = 1 << BSHIFT
 SSHIFT = 4  # blocks per superblock = 16
+SHIFTS = 2  # moves in one block up to which entries are shifted per move instead of rewritten once
 
 
 @njit
@@ -130,9 +131,10 @@ def _first(sup):
 
 
 @njit
-def ranks(bits, positions, shift, emask, order, lfirst, sbefore, sup, out):
-    """Class-order position of each changed element; returns the first entry the index does not
-    hold (stale index) or that is out of order or range, else -1.
+def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out):
+    """Class-order position of each changed element (``old``: its base bits, ``n``: elements);
+    returns the first entry the index does not hold (stale index) or that is out of order or
+    range, else -1.
 
     Separate passes (classes, run bounds, the entry where a uniform run would hold each element,
     searches from there) keep each pass's loads independent and branch-free, so the cache misses
@@ -143,10 +145,10 @@ def ranks(bits, positions, shift, emask, order, lfirst, sbefore, sup, out):
     prev = -1
     for j in range(m):
         p = positions[j]
-        if p <= prev or p >= bits.size:
+        if p <= prev or p >= n:
             return j
         prev = p
-        cls[j] = _cls(bits[p], shift, emask)
+        cls[j] = _cls(old[j], shift, emask)
     for j in range(m):
         b, c = positions[j] >> BSHIFT, cls[j]
         lo[j], hi[j] = (b << BSHIFT) + lfirst[b, c], (b << BSHIFT) + lfirst[b, c + 1]
@@ -232,9 +234,35 @@ def _rewrite(b, keys, order, tmp):
 
 
 @njit
+def _shift_move(b, loc, c1, c2, order, lfirst):
+    """One move by shifting the entries between its old and new place (False when absent)."""
+    base = b << BSHIFT
+    lo, hi = base + lfirst[b, c1], base + lfirst[b, c1 + 1]
+    a = find(order, lo, hi, loc)
+    if a == hi or order[a] != loc:
+        return False
+    ins = find(order, base + lfirst[b, c2], base + lfirst[b, c2 + 1], loc)
+    if c1 < c2:
+        order[a : ins - 1] = order[a + 1 : ins]
+        order[ins - 1] = loc
+    else:
+        order[ins + 1 : a + 1] = order[ins:a].copy()
+        order[ins] = loc
+    return True
+
+
+@njit
 def _move_block(b, locs, c1s, c2s, order, lfirst, keys, tmp):
-    """Apply the class moves of one block; False when one of them is not held as given."""
+    """Apply the class moves of one block; False when one of them is not held as given.
+
+    One or two moves shift the entries between old and new place; more rewrite the block once."""
     k = locs.size
+    if k <= SHIFTS:
+        for i in range(k):
+            if not _shift_move(b, locs[i], c1s[i], c2s[i], order, lfirst):
+                return False
+            _lfirst_move(b, c1s[i], c2s[i], lfirst)
+        return True
     if not _block_events(b, locs, c1s, c2s, order, lfirst, keys[: 2 * k]):
         return False
     ev = keys[: 2 * k]
@@ -249,13 +277,18 @@ def _move_block(b, locs, c1s, c2s, order, lfirst, keys, tmp):
             ev[t + 1] = x
     _rewrite(b, ev, order, tmp)
     for i in range(k):
-        if c1s[i] < c2s[i]:
-            for c in range(c1s[i] + 1, c2s[i] + 1):
-                lfirst[b, c] -= 1
-        else:
-            for c in range(c2s[i] + 1, c1s[i] + 1):
-                lfirst[b, c] += 1
+        _lfirst_move(b, c1s[i], c2s[i], lfirst)
     return True
+
+
+@njit
+def _lfirst_move(b, c1, c2, lfirst):
+    if c1 < c2:
+        for c in range(c1 + 1, c2 + 1):
+            lfirst[b, c] -= 1
+    else:
+        for c in range(c2 + 1, c1 + 1):
+            lfirst[b, c] += 1
 
 
 @njit
