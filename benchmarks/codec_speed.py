@@ -237,6 +237,7 @@ def compile_times() -> dict:
     """Import and first-call seconds of every bf16 kernel in fresh processes: with an empty
     numba cache (compiles), then with the cache that run wrote."""
     import os
+    import resource
     import subprocess
     import tempfile
 
@@ -244,10 +245,13 @@ def compile_times() -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
         for label in ("cold", "cached"):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
                                  cwd=Path(__file__).resolve().parent.parent, check=True)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
             imp, first = map(float, res.stdout.split())
-            out[label] = {"import_s": imp, "first_calls_s": first}
+            cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            out[label] = {"import_s": imp, "first_calls_s": first, "process_cpu_s": cpu}
     return out
 
 
@@ -264,8 +268,8 @@ def main() -> int:
     jit = compile_times()
     k, c, r = kernels(pair, deltas, args.reps), coders(pair, deltas, args.reps), per_refit(pair, deltas, args.reps)
     report(k, c, r)
-    print("  numba first use, wall s (import / first calls of the bf16 kernels): " +
-          ", ".join(f"{k} {v['import_s']:.1f} / {v['first_calls_s']:.1f}" for k, v in jit.items()))
+    print("  numba first use in a fresh process (bf16 kernels), wall s import / first calls, CPU s of the process: " +
+          ", ".join(f"{k} {v['import_s']:.1f} / {v['first_calls_s']:.1f}, {v['process_cpu_s']:.1f}" for k, v in jit.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"kernels": k, "coders": c, "refit": r, "jit": jit}, indent=1))
     return 0 if c["identical"] else 1
