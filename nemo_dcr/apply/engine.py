@@ -85,9 +85,9 @@ class TensorEngine:
         """
         with self.guard.write():
             write(self.tensors)
-            if self.indexes is not None:
-                self.indexes.drop()
             self._checksums = full_checksums(self.tensors)
+            if self.indexes is not None:  # keep the indexes of tensors whose bits did not change
+                self.indexes.keep_current(self._checksums)
             self.guard.version = version
         return dict(self._checksums)
 

@@ -95,8 +95,8 @@ class SenderMirror:
     def reset(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """After a resync: the engine holds ``tensors`` (owned names) at ``version``."""
         self._staged = None
-        self.indexes.drop(tensors)
         for n, t in tensors.items():
             self.bits[n] = int_view(t).cpu().numpy().view(self.bits[n].dtype).copy()
             self.checksums[n] = tensor_checksum(self.bits[n])
+        self.indexes.keep_current({n: self.checksums[n] for n in tensors})
         self.version = version

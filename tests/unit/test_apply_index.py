@@ -115,5 +115,8 @@ def test_tensors_written_behind_the_index_and_resync():
     engine.apply([encode(now, step2, Identity(base_version=1, target_version=2), key=KEY)])
     assert engine.indexes.builds == builds + 1  # only the stale one was rebuilt
     _fresh(engine.indexes, engine.tensors)
-    engine.dense_refit(lambda ts: [t.copy_(step1[n]) for n, t in ts.items()], 3)
+    held = len(engine.indexes)
+    engine.dense_refit(lambda ts: None, 3)  # the same bits again: every index stays
+    assert len(engine.indexes) == held
+    engine.dense_refit(lambda ts: [t.copy_(step1[n]) for n, t in ts.items()], 4)
     assert len(engine.indexes) == 0

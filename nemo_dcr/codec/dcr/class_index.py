@@ -11,7 +11,8 @@ exponent changed move between classes.  Both sides of a refit keep one per tenso
   :meth:`DcrIndexes.update` with the committed deltas once the engine acknowledged;
 * the receiver (engine) passes it to :func:`nemo_dcr.codec.decode` and calls
   :meth:`DcrIndexes.update` after a committed transaction (never after a rolled-back one);
-* a resync or any other wholesale write calls :meth:`DcrIndexes.drop`.
+* a resync calls :meth:`DcrIndexes.drop` (or :meth:`DcrIndexes.keep_current` with the new
+  checksums, which keeps the indexes of tensors whose bits did not change).
 
 Each index carries the checksum of the bits it describes; :meth:`DcrIndexes.get` rebuilds an
 index whose checksum is not the base's, so a missed update costs a rebuild, never wrong bytes.
@@ -23,7 +24,7 @@ tables for ``E`` exponent classes (bf16/fp32: 2.28 bytes, fp16 2.03, fp8 2.02).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -159,6 +160,13 @@ class DcrIndexes:
             self._ix.clear()
         for n in names or ():
             self._ix.pop(n, None)
+
+    def keep_current(self, checksums: Mapping[str, int]) -> None:
+        """Forget the indexes of the named tensors whose bits are no longer the ones described
+        (``checksums``: their checksums now); the others stay usable."""
+        for n, ck in checksums.items():
+            if n in self._ix and self._ix[n].checksum != ck:
+                del self._ix[n]
 
     def __contains__(self, name: str) -> bool:
         return name in self._ix
