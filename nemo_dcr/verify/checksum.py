@@ -24,7 +24,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _K_IDX = np.uint64(0x9E3779B97F4A7C15)
 _K_BITS = np.uint64(0xD6E8FEB86659FD93)
 _CHUNK = 1 << 22
-_TILE = 1 << 15  # tensor_checksum works on cache-sized tiles, in place
+_TILE = 1 << 15  # tensor_checksum_np works on cache-sized tiles, in place
 _IDX_MUL = np.arange(_TILE, dtype=np.uint64) * _K_IDX
 MASK64 = (1 << 64) - 1
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from nemo_dcr.codec.dcr import (
     DcrIndex,

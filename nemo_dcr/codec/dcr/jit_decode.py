@@ -15,7 +15,7 @@ import numpy as np
 
 from ...kernels.jit import njit
 from . import jit_index as K
-from .jit_bits import LIMIT, MAX_K, SAT, apply_step, get_bits, get_unary, get_varint, set_rice_k
+from .jit_bits import LIMIT, MAX_K, apply_step, get_bits, get_unary, get_varint, set_rice_k
 
 ERR = ("", "truncated or overlong varint", "group table out of range", "group count over its set",
        "literal group field out of range", "sign/magnitude counts or steps out of range",
