@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Mapping, Sequence, Union
 import numpy as np
 import torch
 
-from nemo_dcr.codec import decode, inspect
+from nemo_dcr.codec import DcrIndexes, decode, inspect
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
 from nemo_dcr.kernels import read_bits, write_bits
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view, spec_of
@@ -124,7 +124,7 @@ class UndoLog:
 
 
 def _readback(view: torch.Tensor, pos: torch.Tensor, dtype: str) -> np.ndarray:
-    return view[pos].cpu().numpy().view(DTYPES[dtype].uint)
+    return read_bits(view, pos).cpu().numpy().view(DTYPES[dtype].uint)
 
 
 def _check_versions(headers, version: int, resync: bool) -> int:
@@ -154,7 +154,7 @@ def _transact(writes: Callable[[UndoLog], dict[str, int]]) -> tuple[dict[str, in
 
 def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                 checksums: Mapping[str, int], key: bytes | None = None,
-                fault: FaultHook | None = None) -> ApplyResult:
+                fault: FaultHook | None = None, indexes: DcrIndexes | None = None) -> ApplyResult:
     """Apply all parts of one version as one transaction (see the module docstring).
 
     Args:
@@ -164,12 +164,14 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
         checksums: the engine's current checksum of each tensor.
         key: HMAC key the payloads must carry.
         fault: hook called after each tensor written (fault injection).
+        indexes: the engine's kept ``dcr`` class indexes, used to decode; this function never
+            updates them (the caller does, with ``result.deltas``, once it committed).
 
     Raises:
         DeltaFormatError, VersionMismatchError, IncompletePartsError: refused, nothing written.
         ApplyVerificationError, or whatever ``fault`` raises: rolled back exactly.
     """
-    decoded = [decode(p, _Bases(tensors), key, checksums) for p in parts]
+    decoded = [decode(p, _Bases(tensors), key, checksums, indexes) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=False)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]

@@ -7,8 +7,9 @@ Usage::
     touched = codec.apply(engine_tensors, payload)   # validates everything, then writes in place
 """
 
+from .dcr import DcrIndex, DcrIndexes
 from .errors import DeltaFormatError
 from .payload import DecodedPayload, Identity, apply, decode, diff_tensors, encode, encode_deltas, inspect
 
-__all__ = ["DeltaFormatError", "DecodedPayload", "Identity", "apply", "decode", "diff_tensors", "encode",
+__all__ = ["DcrIndex", "DcrIndexes", "DeltaFormatError", "DecodedPayload", "Identity", "apply", "decode", "diff_tensors", "encode",
            "encode_deltas", "inspect"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import zstandard
 
@@ -47,6 +49,13 @@ class RecordInfo:
     target_checksum: str
     params: dict = field(default_factory=dict)
 
+    def to_json(self) -> dict:
+        """The record's JSON object (keys in field order, as ``dataclasses.asdict`` gives them)."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "numel": self.numel,
+                "encoding": self.encoding, "changed": self.changed, "length": self.length, "crc": self.crc,
+                "base_checksum": self.base_checksum, "target_checksum": self.target_checksum,
+                "params": copy.deepcopy(self.params)}
+
 
 @dataclass(frozen=True)
 class PayloadHeader:
@@ -61,10 +70,9 @@ class PayloadHeader:
     records: tuple[RecordInfo, ...]
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["encodings"] = list(self.encodings)
-        d["records"] = [dict(asdict(r), shape=list(r.shape)) for r in self.records]
-        return {"format": FORMAT_NAME, **d}
+        return {"format": FORMAT_NAME, "model": self.model, "run": self.run, "base_version": self.base_version,
+                "target_version": self.target_version, "base_checksum": self.base_checksum,
+                "encodings": list(self.encodings), "records": [r.to_json() for r in self.records]}
 
 
 def pack_preamble_and_header(header: PayloadHeader, authenticated: bool) -> bytes:
@@ -125,8 +133,11 @@ def _check_keys(obj, types: dict, where: str) -> None:
             raise MalformedHeaderError(f"{where}: key {k!r} must be {t.__name__}, got {type(obj[k]).__name__}")
 
 
+_HEX16 = re.compile("[0-9a-f]{16}")
+
+
 def _check_hex(value: str, where: str) -> int:
-    if len(value) != 16 or any(c not in "0123456789abcdef" for c in value):
+    if not _HEX16.fullmatch(value):
         raise MalformedHeaderError(f"{where}: {value!r} is not 16 lowercase hex digits")
     return int(value, 16)
 

@@ -38,6 +38,7 @@ from .header import (
     parse_header,
     read_preamble,
 )
+from .dcr import DcrIndexes
 from .records import decode_record, encode_record
 
 MAC_BYTES = 32
@@ -86,6 +87,7 @@ def encode_deltas(
     encoding: str = "dcr",
     key: bytes | None = None,
     base_checksums: Mapping[str, int] | None = None,
+    indexes: DcrIndexes | None = None,
 ) -> bytes:
     """Encode change sets against the receiver's base bits.
 
@@ -96,6 +98,9 @@ def encode_deltas(
         encoding: ``dcr``, ``reference`` or ``raw`` (per record, ``raw`` wins when smaller).
         key: HMAC key; authenticates the payload when given.
         base_checksums: known checksums of the base tensors (computed when missing).
+        indexes: kept ``dcr`` class indexes of the base tensors (the sender's; built on first
+            use, rebuilt when stale).  The owner updates them from each acknowledged delta
+            (:meth:`DcrIndexes.update`); without them every ``dcr`` record ranks its whole base.
     """
     _check_key(key)
     infos, bodies = [], []
@@ -104,7 +109,9 @@ def encode_deltas(
         base_ck = (base_checksums or {}).get(d.name)
         base_ck = tensor_checksum(bits) if base_ck is None else base_ck
         old = bits[d.positions]
-        enc, body, params = encode_record(encoding, bits, d.positions, d.new_bits, spec)
+        index = indexes.get(d.name, bits, spec, base_ck) if indexes is not None and encoding == "dcr" and d.nnz \
+            else None
+        enc, body, params = encode_record(encoding, bits, d.positions, d.new_bits, spec, index, old)
         target_ck = updated_checksum(base_ck, d.positions, old, d.new_bits)
         infos.append(RecordInfo(d.name, d.dtype, tuple(int(s) for s in d.shape), d.numel, enc, d.nnz,
                                 len(body), _crc(body), _hex(base_ck), _hex(target_ck), params))
@@ -199,14 +206,19 @@ def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: M
 
 
 def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
-           base_checksums: Mapping[str, int] | None = None) -> DecodedPayload:
-    """Validate a payload against the receiver's tensors and decode it; writes nothing."""
+           base_checksums: Mapping[str, int] | None = None, indexes: DcrIndexes | None = None) -> DecodedPayload:
+    """Validate a payload against the receiver's tensors and decode it; writes nothing.
+
+    ``indexes``: kept ``dcr`` class indexes of the receiver's tensors (built on first use,
+    rebuilt when stale); the owner updates them after a committed apply
+    (:meth:`DcrIndexes.update`) and never after a rolled-back one.
+    """
     header, bodies = _split(payload, key)
     deltas = []
     for r, body in zip(header.records, bodies):
         spec, bits, have = _check_against(r, base, base_checksums)
-        pos, new = decode_record(r, body, bits, spec)
-        old = bits[pos]
+        index = indexes.get(r.name, bits, spec, have) if indexes is not None and r.encoding == "dcr" else None
+        pos, new, old = decode_record(r, body, bits, spec, index)
         if pos.size != r.changed or (old == new).any():
             raise MalformedRecordError(f"decoded {pos.size} changes ({int((old == new).sum())} no-ops), "
                                        f"header says {r.changed}", r.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import DtypeSpec
-from .dcr import decode_dcr, encode_dcr
+from .dcr import DcrIndex, decode_dcr, encode_dcr
 from .errors import MalformedRecordError, UnknownEncodingError
 from .reference import decode_reference, encode_reference
 
@@ -13,7 +13,8 @@ ENCODINGS = ("same", "raw", "reference", "dcr")
 SPARSE_ENCODINGS = ("reference", "dcr")
 
 
-def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec):
+def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec,
+                  index: DcrIndex | None = None, old_bits: np.ndarray | None = None):
     """``(encoding, body, params)`` for one tensor; falls back to ``raw`` when that is not larger.
 
     Args:
@@ -22,13 +23,15 @@ def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, n
         positions: strictly increasing changed positions (int64).
         new_bits: new bits at ``positions``.
         spec: dtype facts.
+        index: kept class index of ``base_bits`` (``dcr`` only; see :mod:`.dcr.class_index`).
+        old_bits: ``base_bits[positions]`` when the caller has them.
     """
     if positions.size == 0:
         return "same", b"", {}
     dense_len = base_bits.size * spec.width
     if encoding in SPARSE_ENCODINGS:
         if encoding == "dcr":
-            body, params = encode_dcr(base_bits, positions, new_bits, spec), {}
+            body, params = encode_dcr(base_bits, positions, new_bits, spec, index, old_bits), {}
         else:
             body, params = encode_reference(base_bits, positions, new_bits, spec)
         if len(body) < dense_len:
@@ -40,8 +43,19 @@ def encode_record(encoding: str, base_bits: np.ndarray, positions: np.ndarray, n
     return "raw", full.astype(spec.uint.newbyteorder("<")).tobytes(), {}
 
 
-def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec):
-    """Positions and new bits of one record; validates, writes nothing."""
+def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec, index: DcrIndex | None = None):
+    """Positions, new bits and old bits of one record; validates, writes nothing.
+
+    ``index``: kept class index of ``base_bits`` (``dcr`` only; see :mod:`.dcr.class_index`).
+    """
+    if info.encoding == "dcr":
+        return decode_dcr(body, base_bits, spec, info.name, index, with_old=True)
+    pos, new = _decode_other(info, body, base_bits, spec)
+    return pos, new, base_bits[pos]
+
+
+def _decode_other(info, body, base_bits: np.ndarray, spec: DtypeSpec):
+    """Positions and new bits of a ``same``, ``raw`` or ``reference`` record."""
     name, enc = info.name, info.encoding
     if enc == "same":
         if info.changed or len(body):
@@ -55,6 +69,4 @@ def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec):
         return positions, new[positions]
     if enc == "reference":
         return decode_reference(body, info.params, info.changed, base_bits, spec, name)
-    if enc == "dcr":
-        return decode_dcr(body, base_bits, spec, name)
     raise UnknownEncodingError(f"unknown encoding {enc!r}; known: {', '.join(ENCODINGS)}", name)

@@ -1,5 +1,6 @@
-"""Device-agnostic numeric kernels shared by the stages (torch and numpy only; no codec imports):
-the capture scan and the one in-place write of bits."""
+"""Numeric kernels shared by the stages (no codec imports): the capture scan and the one in-place
+write of bits; compiled numba loops on the host (:mod:`.cpu`, declared through :mod:`.jit`),
+torch ops on other devices."""
 
 from .inplace import read_bits, write_bits
 from .scan import changed_positions, scan_changes

@@ -1,8 +1,9 @@
 """The one in-place write of the package: bits into a tensor's integer view, at flat positions.
 
 Every writer (the engine transaction and its undo log, the trainer baseline, test references)
-goes through :func:`write_bits`; it works on any device (``index_put_`` on the integer view),
-and takes positions and bits as numpy arrays or torch tensors.
+goes through :func:`write_bits`; it works on any device and takes positions and bits as numpy
+arrays or torch tensors.  On the host it is a compiled scatter (:mod:`.cpu`) that checks every
+position before the first write; on other devices ``index_put_`` on the integer view.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 from ..types import carrier, int_view
+from .cpu import gather, scatter
 
 
 def _as_index(positions, device) -> torch.Tensor:
@@ -26,19 +28,47 @@ def _as_bits(bits, like: torch.Tensor) -> torch.Tensor:
     return t.to(like.device).view(like.dtype)
 
 
+def _host_index(positions) -> np.ndarray:
+    if isinstance(positions, torch.Tensor):
+        positions = positions.cpu().numpy()
+    return np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
+
+
+def _check(bad: int, positions: np.ndarray, n: int) -> None:
+    if bad >= 0:
+        raise IndexError(f"position {int(positions[bad])} (entry {bad}) outside a tensor of {n} elements")
+
+
 def write_bits(target: torch.Tensor, positions, bits) -> None:
     """``target.flat[positions] = bits`` through integer views (in place, any device).
 
     Args:
         target: contiguous tensor (float, or already an integer view).
-        positions: flat int64 indices (numpy or torch).
+        positions: flat int64 indices (numpy or torch), each in ``[0, numel)``.
         bits: the new bits, same width as ``target``'s elements (unsigned numpy or any torch int).
+
+    Raises:
+        IndexError: a position is outside the tensor (nothing written).
     """
     view = int_view(target)
-    view.index_put_((_as_index(positions, view.device),), _as_bits(bits, view))
+    src = _as_bits(bits, view)
+    if view.device.type != "cpu":
+        view.index_put_((_as_index(positions, view.device),), src)
+        return
+    pos = _host_index(positions)
+    if pos.size != src.numel():
+        raise ValueError(f"{pos.size} positions for {src.numel()} values")
+    dst = view.numpy()
+    _check(scatter(dst, pos, src.reshape(-1).numpy().view(dst.dtype)), pos, dst.size)
 
 
 def read_bits(target: torch.Tensor, positions) -> torch.Tensor:
     """The integer bits of ``target.flat[positions]`` (a copy, on ``target``'s device)."""
     view = int_view(target)
-    return view[_as_index(positions, view.device)]
+    if view.device.type != "cpu":
+        return view[_as_index(positions, view.device)]
+    pos = _host_index(positions)
+    src = view.numpy()
+    out = np.empty(pos.size, src.dtype)
+    _check(gather(src, pos, out), pos, src.size)
+    return torch.from_numpy(out)

@@ -1,4 +1,9 @@
-"""Capture scan on the tensor's own device (integer views, chunked)."""
+"""Capture scan on the tensor's own device (integer views).
+
+On the host the scan is one compiled pass (:func:`nemo_dcr.kernels.cpu.scan_words`: a cache
+line of both tensors compared as 64-bit words, elements looked at only where a line differs);
+on a GPU it stays a torch op on the device, chunked to bound the mask's scratch memory.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +11,46 @@ import numpy as np
 import torch
 
 from ..types import int_view
+from .cpu import scan_words
 
 DEFAULT_CHUNK = 1 << 26
 
 
-def changed_positions(cur: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Flat positions (int64, increasing) where two same-shape 1-D integer views differ.
+def _words(a: np.ndarray) -> np.ndarray:
+    """uint64 view of the whole 8-byte words at the start of a 1-D contiguous array."""
+    raw = a.view(np.uint8)
+    return raw[: raw.size - raw.size % 8].view(np.uint64)
 
-    On the host this goes through numpy (``flatnonzero`` of the ``!=`` mask runs about 4x
-    faster than ``torch.nonzero`` on one CPU core); on a GPU it stays a torch op on the device.
-    """
+
+def changed_bits_np(cur: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (int64, increasing) and new bits where two same-size 1-D integer arrays differ."""
+    cur, old = np.ascontiguousarray(cur), np.ascontiguousarray(old)
+    return scan_words(cur, old, _words(cur), _words(old), 8 // cur.itemsize)
+
+
+def changed_positions(cur: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64, increasing) where two same-shape 1-D integer views differ."""
     if cur.device.type == "cpu":
-        return torch.from_numpy(np.flatnonzero(cur.numpy() != old.numpy()))
+        return torch.from_numpy(changed_bits_np(cur.numpy(), old.numpy())[0])
     return torch.nonzero(cur != old).reshape(-1)
 
 
 def scan_changes(current: torch.Tensor, base: torch.Tensor, chunk: int = DEFAULT_CHUNK):
     """Changed positions (int64) and new bits of ``current`` vs ``base``, on their device.
 
-    Compares integer views chunk by chunk (scratch memory bounded by ``chunk`` elements);
-    nothing moves to the host.
+    Compares integer views (on a GPU chunk by chunk: scratch memory bounded by ``chunk``
+    elements); nothing moves to the host.
     """
     cur, old = int_view(current), int_view(base)
     if cur.shape != old.shape or cur.dtype != old.dtype or cur.device != old.device:
         raise ValueError(f"scan needs same-size tensors on one device, got {cur.dtype}{tuple(cur.shape)} "
                          f"on {cur.device} vs {old.dtype}{tuple(old.shape)} on {old.device}")
+    if cur.device.type == "cpu":
+        pos, new = changed_bits_np(cur.numpy(), old.numpy())
+        return torch.from_numpy(pos), torch.from_numpy(new)
     pos = []
     for s in range(0, cur.numel(), chunk):
-        idx = changed_positions(cur[s : s + chunk], old[s : s + chunk])
+        idx = torch.nonzero(cur[s : s + chunk] != old[s : s + chunk]).reshape(-1)
         pos.append(idx + s if s else idx)
     positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64, device=cur.device)
     return positions, cur[positions]
-

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from nemo_dcr.codec import Identity, encode_deltas
+from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view
 from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
 
@@ -39,6 +39,7 @@ class SenderMirror:
         self.checksums = {n: tensor_checksum(b) for n, b in self.bits.items()}
         self.version = version
         self._staged: tuple[int, list[SparseDelta]] | None = None
+        self.indexes = DcrIndexes()  # dcr class indexes of the mirror bits, moved only by commit
 
     def changes(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
         """Merged deltas of owned tensors with ``old_bits`` from the mirror; no-ops removed."""
@@ -55,7 +56,8 @@ class SenderMirror:
         """Payload parts (at least one, maybe without records) for ``deltas``; stages them."""
         self.stage(deltas, identity.target_version)
         groups = list(buckets(deltas, max_changes)) or [[]]
-        return [encode_deltas(g, self.bits, identity, encoding, key, self.checksums) for g in groups]
+        return [encode_deltas(g, self.bits, identity, encoding, key, self.checksums, self.indexes)
+                for g in groups]
 
     def stage(self, deltas: Sequence[SparseDelta], version: int) -> None:
         """Hold ``deltas`` (canonical, with mirror old bits) until :meth:`commit` of ``version``."""
@@ -86,6 +88,7 @@ class SenderMirror:
                 self.checksums[d.name] = updated_checksum(self.checksums[d.name], d.positions, d.old_bits,
                                                           d.new_bits)
                 self.bits[d.name][d.positions] = d.new_bits
+            self.indexes.update(self._staged[1])
         self._staged = None
         self.version = version
 
@@ -95,4 +98,5 @@ class SenderMirror:
         for n, t in tensors.items():
             self.bits[n] = int_view(t).cpu().numpy().view(self.bits[n].dtype).copy()
             self.checksums[n] = tensor_checksum(self.bits[n])
+        self.indexes.keep_current({n: self.checksums[n] for n in tensors})
         self.version = version

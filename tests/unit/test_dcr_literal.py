@@ -1,7 +1,7 @@
 """Literal groups of the ``dcr`` coding (docs/wire_format.md section 4.4).
 
 Bodies are written bit by bit here from the spec text, not with the encoder, and decoded by all
-three decoders (vectorized numpy, group-by-group, torch).  Each MUST of a literal group gets its
+decoders (compiled with and without a kept index, vectorized numpy, group-by-group, torch).  Each MUST of a literal group gets its
 own malformed body.  The encoder side: weights much smaller than their update are coded as
 literals, smaller than as steps, and round-trip bit-exactly.
 """
@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.codec.dcr import decode_dcr, decode_dcr_per_group, decode_dcr_torch, encode_dcr, encode_dcr_per_group
+from nemo_dcr.codec.dcr import (
+    DcrIndex,
+    decode_dcr,
+    decode_dcr_np,
+    decode_dcr_per_group,
+    decode_dcr_torch,
+    encode_dcr,
+    encode_dcr_np,
+    encode_dcr_per_group,
+)
 from nemo_dcr.codec.errors import MalformedRecordError
 from nemo_dcr.types import bits_view, spec_of
 
@@ -56,7 +65,9 @@ def _base(cls: int, n: int) -> np.ndarray:
 
 def _decoders(body, base):
     spec = spec_of(torch.bfloat16)
-    yield "numpy", lambda: decode_dcr(body, base, spec, "w")
+    yield "compiled", lambda: decode_dcr(body, base, spec, "w")
+    yield "compiled, kept index", lambda: decode_dcr(body, base, spec, "w", DcrIndex.build(base, spec))
+    yield "numpy", lambda: decode_dcr_np(body, base, spec, "w")
     yield "per-group", lambda: decode_dcr_per_group(body, base, spec, "w")
     t = torch.from_numpy(base.view(np.int16).copy()).view(torch.bfloat16)
 
@@ -114,16 +125,16 @@ def test_encoder_codes_tiny_weights_as_literals_and_round_trips():
     base, new = bits_view(base_t), bits_view(new_t)
     pos = np.flatnonzero(base != new)
     body = encode_dcr(base, pos, new[pos], spec)
-    assert body == encode_dcr_per_group(base, pos, new[pos], spec)
+    assert body == encode_dcr_per_group(base, pos, new[pos], spec) == encode_dcr_np(base, pos, new[pos], spec)
     p2, n2 = decode_dcr(body, base, spec, "w")
     assert np.array_equal(p2, pos) and np.array_equal(n2, new[pos])
-    # the same tensors coded with steps only (literal groups switched off) are larger
+    # the same tensors coded with steps only (literal groups switched off in the numpy encoder) are larger
     import nemo_dcr.codec.dcr.encode as enc
 
     saved = enc.literal_choice
     enc.literal_choice = lambda *a: np.zeros(len(a[0]), bool)
     try:
-        steps_only = encode_dcr(base, pos, new[pos], spec)
+        steps_only = encode_dcr_np(base, pos, new[pos], spec)
     finally:
         enc.literal_choice = saved
     assert len(body) < 0.9 * len(steps_only), (len(body), len(steps_only))

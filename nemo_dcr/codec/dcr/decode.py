@@ -187,7 +187,7 @@ def apply_steps(old, d, spec: DtypeSpec):
     return k ^ (neg_new * ones) ^ (~neg_new * sign)
 
 
-def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str) -> tuple[np.ndarray, np.ndarray]:
+def decode_dcr_np(body, base_bits: np.ndarray, spec: DtypeSpec, name: str) -> tuple[np.ndarray, np.ndarray]:
     """Positions (int64, increasing) and new bits of a ``dcr`` record; validates, writes nothing.
 
     Vectorized over groups : one blocked pass over the base, then

@@ -152,7 +152,7 @@ def encode_body(ops, base, positions, new_bits, spec: DtypeSpec, sorted_pos) -> 
     return _table(lo, widths, n, n_neg, m_off, n_nz, k_val, lit, e_ref, k_lit, q_len, r_len) + packed
 
 
-def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec) -> bytes:
+def encode_dcr_np(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec) -> bytes:
     """Body of a ``dcr`` record for a non-empty change set.
 
     Vectorized over groups : one blocked pass over the base for the

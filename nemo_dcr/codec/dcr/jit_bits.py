@@ -1,0 +1,187 @@
+"""Compiled bit-level pieces of the ``dcr`` coder (docs/wire_format.md section 4.4): varints, Rice
+parameters, the two bit streams, monotone keys.  Every integer is int64 (values < 2**62)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...kernels.jit import njit
+
+MAX_K = 63
+SAT = 1 << 60  # varints at or above this are saturated: no field accepts such a value
+LIMIT = 1 << 62  # every valid Rice value is below this
+
+
+@njit
+def bitlen(x):
+    """Bits of a non-negative int64 (0 for 0)."""
+    n = 0
+    while x >> n:
+        n += 1
+    return n
+
+
+@njit
+def set_rice_k(m, size):
+    """Rice parameter of a coded set of ``m`` ranks among ``size`` (0 when ``m`` is 0)."""
+    if m <= 0:
+        return 0
+    return max(0, bitlen((((size - m) // m) * 45426) >> 16) - 1)
+
+
+@njit
+def best_k(vals, count, exact):
+    """``k`` minimizing the Rice bits of ``vals[:count]`` as :func:`nemo_dcr.codec.bitio.best_rice_k`
+    picks it; -1 when the sum reaches ``exact`` (the float mean would not be exact)."""
+    if count == 0:
+        return 0
+    total = 0
+    for i in range(count):
+        total += vals[i]
+        if total >= exact:
+            return -1
+    guess = min(max(math.ceil(math.log2(total / count + 1.0)), 0), MAX_K)
+    kmin, kmax = max(0, guess - 8), min(MAX_K, guess + 1)
+    sums = np.zeros(10, np.int64)
+    for i in range(count):
+        for j in range(kmax - kmin + 1):
+            sums[j] += vals[i] >> (kmin + j)
+    best, best_cost = kmin, -1
+    for j in range(kmax - kmin + 1):
+        cost = count * (kmin + j + 1) + sums[j]
+        if best_cost < 0 or cost < best_cost:
+            best, best_cost = kmin + j, cost
+    return best
+
+
+@njit
+def varint_len(x):
+    return max(1, (bitlen(x) + 6) // 7)
+
+
+@njit
+def put_varint(buf, at, v):
+    """Write unsigned LEB128 ``v`` at ``buf[at]``; returns the next offset."""
+    while v >= 0x80:
+        buf[at] = (v & 0x7F) | 0x80
+        v >>= 7
+        at += 1
+    buf[at] = v
+    return at + 1
+
+
+@njit
+def get_varint(buf, at, end):
+    """``(value, next offset)``; offset -1 for a truncated varint, -2 for one over 10 bytes.
+    Values at or above :data:`SAT` come back as :data:`SAT`."""
+    v, shift, sat = 0, 0, False
+    for _ in range(10):
+        if at >= end:
+            return 0, -1
+        byte = np.int64(buf[at])
+        at += 1
+        if shift < 63:
+            v |= (byte & 0x7F) << shift
+        elif byte & 0x7F:
+            sat = True
+        if not byte & 0x80:
+            return (SAT if sat or v >= SAT else v), at
+        shift += 7
+    return 0, -2
+
+
+# ------------------------------------------------------------------------------------------ writing
+@njit
+def put_code(v, k, out, qoff, st, rbuf):
+    """Rice code of ``v`` with ``k``: a unary quotient at bit ``st[0]`` of ``out[qoff:]``, the low
+    ``k`` bits (MSB first) into ``rbuf`` through the accumulator ``st[1:4]``."""
+    qp = st[0] + (v >> k)
+    out[qoff + (qp >> 3)] |= np.uint8(0x80 >> (qp & 7))
+    st[0] = qp + 1
+    acc, nacc, rb = st[1], st[2], st[3]
+    while k > 0:
+        t = min(k, 32)
+        acc = (acc << t) | ((v >> (k - t)) & ((1 << t) - 1))
+        nacc += t
+        k -= t
+        while nacc >= 8:
+            nacc -= 8
+            rbuf[rb] = (acc >> nacc) & 0xFF
+            rb += 1
+        acc &= (1 << nacc) - 1
+    st[1], st[2], st[3] = acc, nacc, rb
+
+
+@njit
+def merge_r(out, qoff, q_len, st, rbuf):
+    """Flush the remainder accumulator and OR the remainder stream in after ``q_len`` Q bits."""
+    if st[2]:
+        rbuf[st[3]] = (st[1] << (8 - st[2])) & 0xFF
+        st[3] += 1
+    sh, ob = q_len & 7, qoff + (q_len >> 3)
+    for j in range(st[3]):
+        out[ob + j] |= np.uint8(rbuf[j] >> sh)
+        if sh and ob + j + 1 < out.size:
+            out[ob + j + 1] |= np.uint8((rbuf[j] << (8 - sh)) & 0xFF)
+
+
+# ------------------------------------------------------------------------------------------ reading
+@njit
+def _first_one(byte):
+    n = 0
+    while not (byte & (0x80 >> n)):
+        n += 1
+    return n
+
+
+@njit
+def get_unary(data, qpos, q_len):
+    """``(quotient, next bit)`` of the unary code at bit ``qpos`` of ``data``; next -1 when no
+    one bit is left before ``q_len``."""
+    i = qpos >> 3
+    cur = np.int64(data[i]) & (0xFF >> (qpos & 7)) if i < data.size else 0
+    while cur == 0:
+        i += 1
+        if (i << 3) >= q_len:
+            return 0, -1
+        cur = np.int64(data[i])
+    end = (i << 3) + _first_one(cur)
+    if end >= q_len:
+        return 0, -1
+    return end - qpos, end + 1
+
+
+@njit
+def get_bits(data, bp, k):
+    """``k`` bits MSB first from bit ``bp`` of ``data``."""
+    v = 0
+    while k > 0:
+        avail = 8 - (bp & 7)
+        take = min(avail, k)
+        v = (v << take) | ((np.int64(data[bp >> 3]) >> (avail - take)) & ((1 << take) - 1))
+        k -= take
+        bp += take
+    return v
+
+
+# ------------------------------------------------------------------------------------------ keys
+@njit
+def key_of(b, ones, sign):
+    """Monotone key of bits ``b`` (int64, ``0 <= b <= ones``)."""
+    return b ^ ones if b & sign else b | sign
+
+
+@njit
+def signed_step(old, new, ones, sign):
+    """Magnitude-direction ULP step from ``old`` to ``new`` bits."""
+    s = key_of(new, ones, sign) - key_of(old, ones, sign)
+    return -s if old & sign else s
+
+
+@njit
+def apply_step(old, d, ones, sign):
+    """Inverse of :func:`signed_step`."""
+    k = (key_of(old, ones, sign) + (-d if old & sign else d)) & ones
+    return k ^ sign if k & sign else k ^ ones

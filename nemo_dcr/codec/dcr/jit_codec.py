@@ -1,0 +1,92 @@
+"""The host ``dcr`` coder: compiled kernels (:mod:`.jit_encode`, :mod:`.jit_decode`) behind the
+signatures of the numpy coder, with an optional kept :class:`.class_index.DcrIndex`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...types import DtypeSpec
+from ..errors import MalformedRecordError
+from .class_index import DcrIndex, StaleIndexError
+from .decode import decode_dcr_np
+from .encode import encode_dcr_np
+from .groups import MIN_GROUP_CHANGES
+from .jit_decode import ERR, finish, onepass_hist, onepass_select, parse
+from .jit_index import select
+from .jit_encode import encode_kernel, onepass_ranks
+
+EXACT = 1 << 53  # sums of Rice values from here on have an inexact float mean: numpy decides k
+
+
+def class_ranks(base_bits: np.ndarray, positions: np.ndarray, old_bits: np.ndarray, spec: DtypeSpec,
+                index: DcrIndex | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(class, index)-order position of each change and the class histogram of ``base_bits``."""
+    if index is not None:
+        _check_index(index, base_bits, spec)
+        return index.ranks(positions, old_bits), index.hist
+    s = np.empty(positions.size, np.int64)
+    hist, bad = onepass_ranks(base_bits, positions, spec.exp_shift, spec.n_exponents - 1, s)
+    if bad >= 0:
+        raise ValueError(f"dcr positions must increase inside [0, {base_bits.size}); entry {bad} is "
+                         f"{int(positions[bad])}")
+    return s, hist
+
+
+def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray, spec: DtypeSpec,
+               index: DcrIndex | None = None, old_bits: np.ndarray | None = None) -> bytes:
+    """Body of a ``dcr`` record for a non-empty change set (positions strictly increasing).
+
+    With a kept ``index`` of ``base_bits`` the cost is proportional to the changes; without one
+    a single pass over ``base_bits`` ranks them.  ``old_bits``: ``base_bits[positions]`` when the
+    caller has them already.
+    """
+    base_bits = np.ascontiguousarray(base_bits).reshape(-1)
+    positions = np.ascontiguousarray(positions, np.int64)
+    if positions.size and (positions[0] < 0 or positions[-1] >= base_bits.size):
+        raise ValueError(f"dcr positions must increase inside [0, {base_bits.size})")
+    old = np.ascontiguousarray(base_bits[positions] if old_bits is None else old_bits)
+    s, hist = class_ranks(base_bits, positions, old, spec, index)
+    body = encode_kernel(old, np.ascontiguousarray(new_bits), s, hist, spec.bits, spec.exp_shift, spec.exp_bits,
+                         MIN_GROUP_CHANGES, EXACT)
+    if body.size == 0:
+        return encode_dcr_np(base_bits, positions, new_bits, spec)
+    return body.tobytes()
+
+def _check_index(index: DcrIndex, base_bits: np.ndarray, spec: DtypeSpec) -> None:
+    if index.n != base_bits.size or index.spec != spec:
+        raise StaleIndexError(f"index of {index.n} {index.spec.name} elements used with "
+                              f"{base_bits.size} {spec.name} elements")
+
+
+def _refuse(code: int, body, base_bits: np.ndarray, spec: DtypeSpec, name: str):
+    """A refused body: the numpy decoder names the broken rule; this raises in any case."""
+    decode_dcr_np(body, base_bits, spec, name)
+    raise MalformedRecordError(f"dcr body refused: {ERR[code]}", name)
+
+
+def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str,
+               index: DcrIndex | None = None, with_old: bool = False):
+    """Positions (int64, increasing) and new bits of a ``dcr`` record; validates, writes nothing.
+
+    With a kept ``index`` of ``base_bits`` the cost is proportional to the changes; without one
+    up to two passes over ``base_bits`` (a class histogram, then the places, stopping at the
+    last change).  ``with_old`` also returns the old bits at the positions.
+
+    Raises:
+        MalformedRecordError: the body breaks a rule of section 4.4 (the message names it).
+    """
+    base_bits = np.ascontiguousarray(base_bits).reshape(-1)
+    raw = np.frombuffer(body, np.uint8)
+    shift, emask = spec.exp_shift, spec.n_exponents - 1
+    if index is not None:
+        _check_index(index, base_bits, spec)
+    hist = index.hist if index is not None else onepass_hist(base_bits, shift, emask)
+    cls, kk, val, eref, code = parse(raw, hist, spec.bits, shift, spec.exp_bits)
+    if code:
+        _refuse(code, body, base_bits, spec, name)
+    pos = select(cls, kk, *index.tables()) if index is not None else \
+        onepass_select(base_bits, shift, emask, cls, kk)
+    pos, new, old, code = finish(base_bits, pos, val, eref, spec.bits, shift, spec.exp_bits)
+    if code:
+        _refuse(code, body, base_bits, spec, name)
+    return (pos, new, old) if with_old else (pos, new)

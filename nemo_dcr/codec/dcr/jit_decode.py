@@ -1,0 +1,353 @@
+"""Compiled ``dcr`` decoder (docs/wire_format.md section 4.4): the same results as the numpy
+decoder (:mod:`.decode`) and the group-by-group reference, every rule checked, nothing written.
+
+Stages: :func:`parse` reads the group table and every Rice code in one sweep and gives each
+change its (class, rank) place and its step or literal value; a select stage maps places to
+flat indices (a kept :class:`~nemo_dcr.codec.dcr.class_index.DcrIndex`, or
+:func:`onepass_select` over the base); :func:`finish` rebuilds new bits from the old ones and
+sorts by position (two counting-sort passes).  A refusal comes back as a non-zero code (``ERR``);
+the caller turns it into a :class:`~nemo_dcr.codec.errors.MalformedRecordError`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...kernels.jit import njit
+from . import jit_index as K
+from .jit_bits import LIMIT, MAX_K, apply_step, get_bits, get_unary, get_varint, set_rice_k
+
+ERR = ("", "truncated or overlong varint", "group table out of range", "group count over its set",
+       "literal group field out of range", "sign/magnitude counts or steps out of range",
+       "bit streams do not fill the body", "non-zero padding after the bit streams",
+       "unary stream does not hold the codes the table needs", "remainder stream length does not match",
+       "Rice quotient overflows 64 bits", "Rice value beyond 2**62", "gap or rank beyond its set",
+       "step beyond the key space", "literal exponent outside its field", "literal equals the old bits")
+# group table columns
+N, NNEG, MOFF, NNZ, KVAL, LIT, EREF, KITEM = range(8)
+
+
+@njit
+def _field(body, at):
+    """Next varint: ``(value, next offset, code)`` (code 1: truncated or over 10 bytes)."""
+    v, nxt = get_varint(body, at, body.size)
+    return (0, at, 1) if nxt < 0 else (v, nxt, 0)
+
+
+@njit
+def _group_fields(body, at, size, tab, g, nbits, mb, E):
+    """One group's fields into ``tab[g]``; returns ``(at, code)``."""
+    n, at, e = _field(body, at)
+    if e or n > size:
+        return at, e or 3
+    tab[g, N] = n
+    if n == 0:
+        return at, 0
+    nneg, at, e = _field(body, at)
+    if e:
+        return at, e
+    if nneg == n + 1:
+        eref, at, e = _field(body, at)
+        if e:
+            return at, e
+        if at >= body.size:
+            return at, 1
+        klit, at = np.int64(body[at]), at + 1
+        if eref >= E or klit + mb + 1 > MAX_K:
+            return at, 4
+        tab[g, LIT], tab[g, EREF], tab[g, KITEM] = 1, eref, klit + mb + 1
+        return at, 0
+    moff, at, e = _field(body, at)
+    if e:
+        return at, e
+    nnz, at, e = _field(body, at)
+    if e:
+        return at, e
+    if nneg > n or nnz > n or moff + 1 >= (1 << nbits):
+        return at, 5
+    tab[g, NNEG], tab[g, MOFF], tab[g, NNZ] = nneg, moff, nnz
+    if nnz:
+        if at >= body.size:
+            return at, 1
+        tab[g, KVAL], at = np.int64(body[at]), at + 1
+        if tab[g, KVAL] > MAX_K:
+            return at, 5
+    return at, 0
+
+
+@njit
+def _table(body, hist, nbits, mb, E):
+    """``(lo, bounds, starts, tab, at, code)``: group range, class-order starts, fields."""
+    empty, none = np.zeros((0, 8), np.int64), np.zeros(1, np.int64)
+    lo, at, e = _field(body, 0)
+    if e:
+        return 0, none, none, empty, at, e
+    G, at, e = _field(body, at)
+    if e or lo >= E or G < 1 or G > E:
+        return 0, none, none, empty, at, e or 2
+    bounds = np.zeros(G + 1, np.int64)
+    bounds[0] = lo
+    for g in range(G):
+        w, at, e = _field(body, at)
+        if e:
+            return 0, bounds, bounds, empty, at, e
+        if w < 1 or w > E or bounds[g] + w > E:
+            return 0, bounds, bounds, empty, at, 2
+        bounds[g + 1] = bounds[g] + w
+    first = np.zeros(E + 1, np.int64)
+    first[1:] = np.cumsum(hist)
+    starts = first[bounds]
+    tab = np.zeros((G, 8), np.int64)
+    for g in range(G):
+        at, e = _group_fields(body, at, starts[g + 1] - starts[g], tab, g, nbits, mb, E)
+        if e:
+            return lo, bounds, starts, tab, at, e
+    return lo, bounds, starts, tab, at, 0
+
+
+# ------------------------------------------------------------------------------------------ streams
+@njit
+def _plan(tab, sizes):
+    """Rice codes the table asks for and their remainder bits: ``(codes, r_bits)``."""
+    codes, rbits = 0, 0
+    for g in range(tab.shape[0]):
+        n = tab[g, N]
+        if n == 0:
+            continue
+        for t in range(1 if tab[g, LIT] else 3):
+            cnt, uni = (n, sizes[g]) if t == 0 else (tab[g, NNEG if t == 1 else NNZ], n)
+            if 0 < cnt < uni:
+                coded = min(cnt, uni - cnt)
+                codes += coded
+                rbits += coded * set_rice_k(coded, uni)
+        extra, k = (n, tab[g, KITEM]) if tab[g, LIT] else (tab[g, NNZ], tab[g, KVAL])
+        codes += extra
+        rbits += extra * k
+    return codes, rbits
+
+
+@njit
+def _code(data, rd, q_len, k):
+    """Next Rice value with parameter ``k``: ``(value, code)``; reader state ``rd = [q bit, r bit]``."""
+    q, nxt = get_unary(data, rd[0], q_len)
+    if nxt < 0:
+        return 0, 8
+    rd[0] = nxt
+    if q >> max(0, 62 - k):
+        return 0, 10
+    v = (q << k) | get_bits(data, rd[1], k)
+    rd[1] += k
+    return (0, 11) if v >= LIMIT else (v, 0)
+
+
+@njit
+def _read_set(data, rd, q_len, cnt, uni, out, o, scratch):
+    """Members of a coded subset of ``range(uni)`` of size ``cnt``, sorted, into ``out[o:o + cnt]``."""
+    if cnt == uni:
+        for x in range(uni):
+            out[o + x] = x
+    if cnt == 0 or cnt == uni:
+        return 0
+    side = 2 * cnt <= uni
+    coded = cnt if side else uni - cnt
+    k, prev = set_rice_k(coded, uni), -1
+    dst, at = (out, o) if side else (scratch, 0)
+    for j in range(coded):
+        v, e = _code(data, rd, q_len, k)
+        if e:
+            return e
+        if v >= uni or prev + v + 1 >= uni:
+            return 12
+        prev += v + 1
+        dst[at + j] = prev
+    if not side:
+        j, t = 0, 0
+        for x in range(uni):
+            if j < coded and scratch[j] == x:
+                j += 1
+            else:
+                out[o + t] = x
+                t += 1
+    return 0
+
+
+@njit
+def _group(data, rd, q_len, tab, g, size, gs, rank, val, eref, nbits, sc):
+    """Items of group ``g``: ranks into ``rank[gs:]``, steps (or literal values) into ``val[gs:]``."""
+    n = tab[g, N]
+    e = _read_set(data, rd, q_len, n, size, rank, gs, sc[0])
+    if e:
+        return e
+    if tab[g, LIT]:
+        for x in range(n):
+            v, e = _code(data, rd, q_len, tab[g, KITEM])
+            if e:
+                return e
+            val[gs + x], eref[gs + x] = v, tab[g, EREF]
+        return 0
+    neg, nz = sc[1], sc[2]
+    e = _read_set(data, rd, q_len, tab[g, NNEG], n, neg, 0, sc[0])
+    if e:
+        return e
+    e = _read_set(data, rd, q_len, tab[g, NNZ], n, nz, 0, sc[0])
+    if e:
+        return e
+    moff = tab[g, MOFF]
+    for x in range(n):
+        val[gs + x], eref[gs + x] = moff + 1, -1
+    for j in range(tab[g, NNZ]):
+        v, e = _code(data, rd, q_len, tab[g, KVAL])
+        if e:
+            return e
+        if v + moff + 2 >= (1 << nbits):
+            return 13
+        val[gs + nz[j]] += v + 1
+    for j in range(tab[g, NNEG]):
+        val[gs + neg[j]] = -val[gs + neg[j]]
+    return 0
+
+
+@njit
+def _places(bounds, starts, hist, tab, rank):
+    """Class of each change; ``rank`` turned from rank in group into rank in class, in place."""
+    first = np.zeros(hist.size + 1, np.int64)
+    first[1:] = np.cumsum(hist)
+    cls = np.empty(rank.size, np.int64)
+    gs = 0
+    for g in range(tab.shape[0]):
+        c = bounds[g]
+        for i in range(gs, gs + tab[g, N]):
+            s = starts[g] + rank[i]
+            while first[c + 1] <= s:
+                c += 1
+            cls[i], rank[i] = c, s - first[c]
+        gs += tab[g, N]
+    return cls
+
+
+@njit
+def parse(body, hist, nbits, mb, exp_bits):
+    """Every change of a body in (class, rank) order: ``(cls, rank in class, value, e_ref or -1,
+    code)``; value is the signed step, or the literal value where ``e_ref >= 0``."""
+    E = 1 << exp_bits
+    z = np.zeros(0, np.int64)
+    lo, bounds, starts, tab, at, e = _table(body, hist, nbits, mb, E)
+    if e:
+        return z, z, z, z, e
+    q_len, at, e = _field(body, at)
+    r_len, at, e2 = _field(body, at) if not e else (0, at, e)
+    if e or e2:
+        return z, z, z, z, 1
+    data = body[at:]
+    if (q_len + r_len + 7) // 8 != data.size:
+        return z, z, z, z, 6
+    for bit in range(q_len + r_len, 8 * data.size):
+        if (data[bit >> 3] >> (7 - (bit & 7))) & 1:
+            return z, z, z, z, 7
+    sizes = starts[1:] - starts[:-1]
+    codes, rbits = _plan(tab, sizes)
+    if rbits != r_len:
+        return z, z, z, z, 9
+    m = tab[:, N].sum()
+    rank, val, eref = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
+    sc = (np.empty(m + 1, np.int64), np.empty(m + 1, np.int64), np.empty(m + 1, np.int64))
+    rd = np.array([0, q_len])
+    gs = 0
+    for g in range(tab.shape[0]):
+        e = _group(data, rd, q_len, tab, g, sizes[g], gs, rank, val, eref, nbits, sc)
+        if e:
+            return z, z, z, z, e
+        gs += tab[g, N]
+    if rd[0] != q_len:
+        return z, z, z, z, 8
+    return _places(bounds, starts, hist, tab, rank), rank, val, eref, 0
+
+
+# ------------------------------------------------------------------------------------------ places
+@njit
+def onepass_hist(bits, shift, emask):
+    """Class histogram of ``bits`` (four counter tables break the store-to-load chains)."""
+    t = np.zeros((4, emask + 1), np.int64)
+    n4 = bits.size - bits.size % 4
+    for i in range(0, n4, 4):
+        for u in range(4):
+            t[u, (np.int64(bits[i + u]) >> shift) & emask] += 1
+    for i in range(n4, bits.size):
+        t[0, (np.int64(bits[i]) >> shift) & emask] += 1
+    return t[0] + t[1] + t[2] + t[3]
+
+
+@njit
+def onepass_select(bits, shift, emask, cls, kk):
+    """Flat index of each (class, rank in class) by one pass over ``bits`` (``(cls, kk)`` sorted);
+    the pass stops once the last one is found."""
+    E = emask + 1
+    cur, end, want = np.zeros(E, np.int64), np.zeros(E, np.int64), np.full(E, -1, np.int64)
+    for i in range(cls.size - 1, -1, -1):
+        cur[cls[i]] = i
+    for i in range(cls.size):
+        end[cls[i]] = i + 1
+    for c in range(E):
+        if end[c]:
+            want[c] = kk[cur[c]]
+    pos, cnt, left = np.empty(cls.size, np.int64), np.zeros(E, np.int64), cls.size
+    for i in range(bits.size):
+        if left == 0:
+            break
+        c = (np.int64(bits[i]) >> shift) & emask
+        if cnt[c] == want[c]:
+            pos[cur[c]] = i
+            cur[c] += 1
+            want[c] = kk[cur[c]] if cur[c] < end[c] else -1
+            left -= 1
+        cnt[c] += 1
+    return pos
+
+
+# ------------------------------------------------------------------------------------------ bits
+@njit
+def _position_order(pos, n):
+    """Permutation sorting ``pos`` (distinct, in ``[0, n)``): two stable counting-sort passes."""
+    m = pos.size
+    tmp, perm = np.empty(m, np.int64), np.empty(m, np.int64)
+    lo = np.zeros(K.BLOCK + 1, np.int64)
+    hi = np.zeros((n >> K.BSHIFT) + 2, np.int64)
+    for i in range(m):
+        lo[(pos[i] & (K.BLOCK - 1)) + 1] += 1
+        hi[(pos[i] >> K.BSHIFT) + 1] += 1
+    lo, hi = np.cumsum(lo), np.cumsum(hi)
+    for i in range(m):
+        d = pos[i] & (K.BLOCK - 1)
+        tmp[lo[d]] = i
+        lo[d] += 1
+    for j in range(m):
+        d = pos[tmp[j]] >> K.BSHIFT
+        perm[hi[d]] = tmp[j]
+        hi[d] += 1
+    return perm
+
+
+@njit
+def finish(base, pos, val, eref, nbits, mb, exp_bits):
+    """Old and new bits at ``pos`` (steps applied, literals checked), sorted by position:
+    ``(positions, new, old, code)``."""
+    ones, sign, E = (1 << nbits) - 1, 1 << (nbits - 1), 1 << exp_bits
+    m = pos.size
+    perm = _position_order(pos, base.size)
+    p_out, new, old = np.empty(m, np.int64), np.empty(m, base.dtype), np.empty(m, base.dtype)
+    for j in range(m):
+        i = perm[j]
+        o = np.int64(base[pos[i]]) & ones
+        if eref[i] < 0:
+            nv = apply_step(o, val[i], ones, sign)
+        else:
+            v = val[i]
+            zz = v >> (mb + 1)
+            e = eref[i] + ((zz >> 1) ^ -(zz & 1))
+            if e < 0 or e >= E:
+                return p_out, new, old, 14
+            nv = (((v >> mb) & 1) << (nbits - 1)) | (e << mb) | (v & ((1 << mb) - 1))
+            if nv == o:
+                return p_out, new, old, 15
+        p_out[j], new[j], old[j] = pos[i], nv, o
+    return p_out, new, old, 0

@@ -1,0 +1,302 @@
+"""Compiled ``dcr`` encoder (docs/wire_format.md section 4.4), byte-identical to the vectorized
+numpy encoder (:mod:`.encode`) and the group-by-group reference (:mod:`.per_group`).
+
+Input: the changes in position order with their (class, index)-order positions ``s`` (from a
+kept :class:`~nemo_dcr.codec.dcr.class_index.DcrIndex` or :func:`onepass_ranks`) and the class
+histogram.  Work is proportional to the changes: a counting sort by class, per-group statistics
+(pass A, which also fixes the table and both stream lengths), then the streams (pass B).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...kernels.jit import njit
+from .jit_bits import best_k, merge_r, put_code, put_varint, set_rice_k, signed_step, varint_len
+
+# per-group statistics, columns of ``st``
+N, NNEG, MOFF, NNZ, KVAL, EREF, KLIT, LIT, QB, RB = range(10)
+
+
+@njit
+def onepass_ranks(bits, positions, shift, emask, out):
+    """Class histogram and, in ``out``, each change's (class, index)-order position, in one pass
+    over ``bits`` (four counter tables break the store-to-load chains).  Returns
+    ``(hist, bad)``: ``bad`` the first entry out of order or range, else -1."""
+    E = emask + 1
+    t = np.zeros((4, E), np.int64)
+    i, n = 0, bits.size
+    for j in range(positions.size):
+        p = positions[j]
+        if p < i or p >= n:
+            return t[0], j
+        while i + 4 <= p:
+            for u in range(4):
+                t[u, (np.int64(bits[i + u]) >> shift) & emask] += 1
+            i += 4
+        while i < p:
+            t[0, (np.int64(bits[i]) >> shift) & emask] += 1
+            i += 1
+        c = (np.int64(bits[p]) >> shift) & emask
+        out[j] = t[0, c] + t[1, c] + t[2, c] + t[3, c]
+        t[0, c] += 1
+        i = p + 1
+    while i < n:
+        t[0, (np.int64(bits[i]) >> shift) & emask] += 1
+        i += 1
+    hist = t[0] + t[1] + t[2] + t[3]
+    first = np.cumsum(hist) - hist
+    for j in range(positions.size):
+        out[j] += first[(np.int64(bits[positions[j]]) >> shift) & emask]
+    return hist, -1
+
+
+@njit
+def _groups(ccount, min_group):
+    """Greedy groups of :func:`nemo_dcr.codec.dcr.groups.groups_from_counts`: ``(lo, widths)``."""
+    nz = np.flatnonzero(ccount)
+    lo, hi = nz[0], nz[-1]
+    widths = np.zeros(hi - lo + 1, np.int64)
+    g, acc, width = 0, 0, 0
+    for e in range(lo, hi + 1):
+        acc += ccount[e]
+        width += 1
+        if acc >= min_group:
+            widths[g] = width
+            g, acc, width = g + 1, 0, 0
+    if width:
+        if g:
+            widths[g - 1] += width
+        else:
+            widths[0] = width
+            g = 1
+    return lo, widths[:g]
+
+
+@njit
+def _set_bits(flags, gs, n, emit, out, qoff, st, rbuf):
+    """Q bits of the coded set ``{x < n : flags[gs + x]}`` (and its R bits); written when ``emit``."""
+    c = 0
+    for x in range(n):
+        c += flags[gs + x]
+    if c == 0 or c == n:
+        return 0, 0
+    side = 2 * c <= n  # members coded, else non-members
+    coded = c if side else n - c
+    k = set_rice_k(coded, n)
+    q, prev = 0, -1
+    for x in range(n):
+        if flags[gs + x] == side:
+            q += ((x - prev - 1) >> k) + 1
+            if emit:
+                put_code(x - prev - 1, k, out, qoff, st, rbuf)
+            prev = x
+    return q, coded * k
+
+
+@njit
+def _rank_bits(rank, gs, n, size, emit, out, qoff, st, rbuf):
+    """Q and R bits of the coded set of changed ranks ``rank[gs:gs + n]`` among ``size``."""
+    if n == 0 or n == size:
+        return 0, 0
+    side = 2 * n <= size
+    coded = n if side else size - n
+    k = set_rice_k(coded, size)
+    q, prev = 0, -1
+    if side:
+        for i in range(gs, gs + n):
+            q += ((rank[i] - prev - 1) >> k) + 1
+            if emit:
+                put_code(rank[i] - prev - 1, k, out, qoff, st, rbuf)
+            prev = rank[i]
+        return q, coded * k
+    j = gs
+    for x in range(size):
+        if j < gs + n and rank[j] == x:
+            j += 1
+            continue
+        q += ((x - prev - 1) >> k) + 1
+        if emit:
+            put_code(x - prev - 1, k, out, qoff, st, rbuf)
+        prev = x
+    return q, coded * k
+
+
+@njit
+def _values_bits(vals, flags, gs, n, k, emit, out, qoff, st, rbuf):
+    """Q bits of ``vals[gs + x]`` (``x < n``) where ``flags[gs + x]`` (every ``x`` when ``flags`` is empty)."""
+    q = 0
+    for x in range(n):
+        if flags.size == 0 or flags[gs + x]:
+            q += (vals[gs + x] >> k) + 1
+            if emit:
+                put_code(vals[gs + x], k, out, qoff, st, rbuf)
+    return q
+
+
+@njit
+def _steps(dd, gs, n, negf, nzf, extra, scratch, exact):
+    """Sign and magnitude fields of one group: ``(n_neg, m_off, n_nz, k_val)``; flags and extras
+    filled in place (``k_val`` -1 when its mean would not be exact)."""
+    m_off = abs(dd[gs]) - 1
+    for i in range(gs, gs + n):
+        m_off = min(m_off, abs(dd[i]) - 1)
+    n_neg, n_nz = 0, 0
+    for i in range(gs, gs + n):
+        negf[i] = dd[i] < 0
+        n_neg += negf[i]
+        nzf[i] = abs(dd[i]) - 1 > m_off
+        extra[i] = abs(dd[i]) - 2 - m_off if nzf[i] else 0
+        if nzf[i]:
+            scratch[n_nz] = extra[i]
+            n_nz += 1
+    return n_neg, m_off, n_nz, best_k(scratch, n_nz, exact)
+
+
+@njit
+def _literals(nw, gs, n, litv, scratch, ehist, mb, nbits, exact):
+    """Literal fields of one group: ``(e_ref, k_lit)``; the literal values into ``litv``."""
+    emask = ehist.size - 1
+    ehist[:] = 0
+    for i in range(gs, gs + n):
+        ehist[(nw[i] >> mb) & emask] += 1
+    e_ref = np.argmax(ehist)
+    for i in range(gs, gs + n):
+        x = ((nw[i] >> mb) & emask) - e_ref
+        zz = (x << 1) ^ (x >> 63)
+        scratch[i - gs] = zz
+        litv[i] = (zz << (mb + 1)) | ((nw[i] >> (nbits - 1)) << mb) | (nw[i] & ((1 << mb) - 1))
+    return e_ref, best_k(scratch, n, exact)
+
+
+@njit
+def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits, exact):
+    """Pass A for group ``g`` (changes ``gs .. gs + n`` in rank order): every table field, the
+    steps-or-literals choice and the group's Q and R bits.  False when a mean is inexact."""
+    negf, nzf, extra, litv, scratch, ehist, none, out, st, rbuf = work
+    n_neg, m_off, n_nz, k_val = _steps(dd, gs, n, negf, nzf, extra, scratch, exact)
+    if k_val < 0:
+        return False
+    q1, r1 = _set_bits(negf, gs, n, False, out, 0, st, rbuf)
+    q2, r2 = _set_bits(nzf, gs, n, False, out, 0, st, rbuf)
+    q3 = _values_bits(extra, nzf, gs, n, k_val, False, out, 0, st, rbuf)
+    step = q1 + r1 + q2 + r2 + q3 + n_nz * k_val + 8 * (varint_len(n_neg) + varint_len(m_off) + varint_len(n_nz)
+                                                        + (n_nz > 0))
+    e_ref, k_lit, ql, lit = 0, 0, 0, False
+    kl = mb + 1
+    if n * (mb + 2) + 8 * (varint_len(n + 1) + 2) < step:  # literals could be smaller: cost them exactly
+        e_ref, k_lit = _literals(nw, gs, n, litv, scratch, ehist, mb, nbits, exact)
+        if k_lit < 0:
+            return False
+        kl += k_lit
+        ql = _values_bits(litv, none, gs, n, kl, False, out, 0, st, rbuf)
+        lit = ql + n * kl + 8 * (varint_len(n + 1) + varint_len(e_ref) + 1) < step
+    qr, rr = _rank_bits(rank, gs, n, size, False, out, 0, st, rbuf)
+    qb = qr + (ql if lit else q1 + q2 + q3)
+    rb = rr + (n * kl if lit else r1 + r2 + n_nz * k_val)
+    stats[g, N], stats[g, NNEG], stats[g, MOFF], stats[g, NNZ], stats[g, KVAL] = n, n_neg, m_off, n_nz, k_val
+    stats[g, EREF], stats[g, KLIT], stats[g, LIT], stats[g, QB], stats[g, RB] = e_ref, k_lit, lit, qb, rb
+    return True
+
+
+@njit
+def _table(lo, widths, stats, q_len, r_len):
+    """The group table and both stream lengths as bytes."""
+    G = widths.size
+    buf = np.zeros(10 * (6 * G + 6), np.uint8)
+    at = put_varint(buf, 0, lo)
+    at = put_varint(buf, at, G)
+    for g in range(G):
+        at = put_varint(buf, at, widths[g])
+    for g in range(G):
+        n = stats[g, N]
+        at = put_varint(buf, at, n)
+        if n and stats[g, LIT]:
+            for v in (n + 1, stats[g, EREF], stats[g, KLIT]):
+                at = put_varint(buf, at, v)
+        elif n:
+            for v in (stats[g, NNEG], stats[g, MOFF], stats[g, NNZ]):
+                at = put_varint(buf, at, v)
+            if stats[g, NNZ]:
+                at = put_varint(buf, at, stats[g, KVAL])
+    at = put_varint(buf, at, q_len)
+    at = put_varint(buf, at, r_len)
+    return buf[:at]
+
+
+@njit
+def _sorted_changes(old_bits, new_bits, s, nbits, mb, emask):
+    """Changes in (class, index) order: class counts, global class-order position, step, new bits."""
+    m = old_bits.size
+    ones, sign = (1 << nbits) - 1, 1 << (nbits - 1)
+    old, cls = np.empty(m, np.int64), np.empty(m, np.int64)
+    ccount = np.zeros(emask + 1, np.int64)
+    for i in range(m):
+        old[i] = np.int64(old_bits[i]) & ones
+        cls[i] = (old[i] >> mb) & emask
+        ccount[cls[i]] += 1
+    nxt = np.cumsum(ccount) - ccount
+    srt, dd, nw = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
+    for i in range(m):
+        j = nxt[cls[i]]
+        nxt[cls[i]] += 1
+        nw[j] = np.int64(new_bits[i]) & ones
+        dd[j] = signed_step(old[i], nw[j], ones, sign)
+        srt[j] = s[i]
+    return ccount, srt, dd, nw
+
+
+@njit
+def _emit(G, gstart, sizes, rank, stats, work, qoff, mb):
+    """Pass B: every group's items, in stream order."""
+    negf, nzf, extra, litv, scratch, ehist, none, out, st, rbuf = work
+    for g in range(G):
+        gs, n = gstart[g], stats[g, N]
+        if n == 0:
+            continue
+        _rank_bits(rank, gs, n, sizes[g], True, out, qoff, st, rbuf)
+        if stats[g, LIT]:
+            _values_bits(litv, none, gs, n, stats[g, KLIT] + mb + 1, True, out, qoff, st, rbuf)
+            continue
+        _set_bits(negf, gs, n, True, out, qoff, st, rbuf)
+        _set_bits(nzf, gs, n, True, out, qoff, st, rbuf)
+        _values_bits(extra, nzf, gs, n, stats[g, KVAL], True, out, qoff, st, rbuf)
+
+
+@njit
+def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group, exact):
+    """Body of a ``dcr`` record as uint8 from the changes' old and new bits and class-order
+    positions ``s``; an empty array when a Rice mean would be inexact (the caller then uses the
+    numpy encoder, whose float mean decides those cases)."""
+    m, emask = old_bits.size, (1 << exp_bits) - 1
+    ccount, rank, dd, nw = _sorted_changes(old_bits, new_bits, s, nbits, mb, emask)
+    lo, widths = _groups(ccount, min_group)
+    G = widths.size
+    bounds = np.zeros(G + 1, np.int64)
+    bounds[0] = lo
+    bounds[1:] = lo + np.cumsum(widths)
+    first = np.zeros(hist.size + 1, np.int64)
+    first[1:] = np.cumsum(hist)
+    cfirst = np.zeros(ccount.size + 1, np.int64)
+    cfirst[1:] = np.cumsum(ccount)
+    starts, gstart = first[bounds], cfirst[bounds]
+    sizes = starts[1:] - starts[:-1]
+    for g in range(G):
+        rank[gstart[g] : gstart[g + 1]] -= starts[g]
+    stats = np.zeros((G, 10), np.int64)
+    work = (np.zeros(m, np.bool_), np.zeros(m, np.bool_), np.zeros(m, np.int64), np.zeros(m, np.int64),
+            np.zeros(m, np.int64), np.zeros(emask + 1, np.int64), np.zeros(0, np.bool_), np.zeros(0, np.uint8),
+            np.zeros(4, np.int64), np.zeros(0, np.uint8))
+    for g in range(G):
+        if not _group_stats(g, gstart[g], gstart[g + 1] - gstart[g], sizes[g], rank, dd, nw, work, stats, mb,
+                            nbits, exact):
+            return np.zeros(0, np.uint8)
+    q_len, r_len = stats[:, QB].sum(), stats[:, RB].sum()
+    tab = _table(lo, widths, stats, q_len, r_len)
+    out = np.zeros(tab.size + (q_len + r_len + 7) // 8, np.uint8)
+    out[: tab.size] = tab
+    rbuf = np.zeros(r_len // 8 + 2, np.uint8)
+    work = work[:7] + (out, np.zeros(4, np.int64), rbuf)
+    _emit(G, gstart, sizes, rank, stats, work, tab.size, mb)
+    merge_r(out, tab.size, q_len, work[8], rbuf)
+    return out

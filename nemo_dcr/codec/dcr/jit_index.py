@@ -1,0 +1,343 @@
+"""Compiled kernels of the kept class index (:class:`nemo_dcr.codec.dcr.class_index.DcrIndex`).
+
+Layout, for a tensor of ``n`` elements with ``E`` exponent classes, cut into blocks of
+``B = 4096`` elements and superblocks of ``S = 16`` blocks:
+
+* ``order`` (uint16, one per element): inside each block, the local indices sorted by
+  (class, index), so the elements of class ``c`` in block ``b`` are the sorted run
+  ``order[b*B + lfirst[b, c] : b*B + lfirst[b, c + 1]]``;
+* ``lfirst`` (uint16, ``nb x (E + 1)``): start of each class's run inside its block;
+* ``sbefore`` (uint16, ``E x nb``): elements of class ``c`` in the earlier blocks of the same
+  superblock (at most ``15 * 4096``);
+* ``sup`` (int64, ``E x (nsb + 1)``): elements of class ``c`` before each superblock; its last
+  column is the class histogram.
+
+The rank of element ``p`` (class ``c``, block ``b``) among the elements of its class is
+``sup[c, b // S] + sbefore[c, b] + j`` with ``j`` its place in its run (binary search).
+Class moves (elements whose exponent changed) rewrite their block's ``order`` once, between the
+first and the last moved entry (segment copies), and adjust at most 15 ``sbefore`` entries per
+class each.  ``sup`` rows of the classes that moved are summed
+again per update (``nsb`` additions each).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...kernels.jit import njit
+
+BSHIFT = 12
+BLOCK = 1 << BSHIFT
+SSHIFT = 4  # blocks per superblock = 16
+SHIFTS = 2  # moves in one block up to which entries are shifted per move instead of rewritten once
+
+
+@njit
+def _cls(x, shift, emask):
+    return (np.int64(x) >> shift) & emask
+
+
+@njit
+def _sort_block(b, n, cls_of, order, lfirst):
+    """Counting sort of block ``b`` by ``cls_of(local)`` (an int64 array of the block's classes)."""
+    E = lfirst.shape[1] - 1
+    size = min(BLOCK, n - (b << BSHIFT))
+    cnt = np.zeros(E + 1, np.int64)
+    for i in range(size):
+        cnt[cls_of[i] + 1] += 1
+    for c in range(E):
+        cnt[c + 1] += cnt[c]
+    for c in range(E + 1):
+        lfirst[b, c] = cnt[c]
+    base = b << BSHIFT
+    for i in range(size):
+        c = cls_of[i]
+        order[base + cnt[c]] = i
+        cnt[c] += 1
+
+
+@njit
+def refresh_sup(lfirst, sbefore, sup, classes):
+    """Recompute ``sup`` rows of ``classes`` from the per-block tables."""
+    nb = lfirst.shape[0]
+    nsb = sup.shape[1] - 1
+    for c in classes:
+        for sb in range(nsb):
+            last = min(((sb + 1) << SSHIFT), nb) - 1
+            sup[c, sb + 1] = sup[c, sb] + sbefore[c, last] + lfirst[last, c + 1] - lfirst[last, c]
+
+
+@njit
+def _sbefore_block(b, lfirst, sbefore):
+    """``sbefore[:, b]`` from block ``b - 1`` (or zero at a superblock start)."""
+    E = sbefore.shape[0]
+    for c in range(E):
+        if b & ((1 << SSHIFT) - 1) == 0:
+            sbefore[c, b] = 0
+        else:
+            sbefore[c, b] = sbefore[c, b - 1] + lfirst[b - 1, c + 1] - lfirst[b - 1, c]
+
+
+@njit
+def build(bits, shift, emask, order, lfirst, sbefore, sup):
+    """Fill every table from the base bits (one pass, each block sorted in cache)."""
+    n = bits.size
+    nb = lfirst.shape[0]
+    cls_of = np.empty(BLOCK, np.int64)
+    for b in range(nb):
+        base = b << BSHIFT
+        for i in range(min(BLOCK, n - base)):
+            cls_of[i] = _cls(bits[base + i], shift, emask)
+        _sort_block(b, n, cls_of, order, lfirst)
+        _sbefore_block(b, lfirst, sbefore)
+    refresh_sup(lfirst, sbefore, sup, np.arange(sbefore.shape[0]))
+
+
+@njit
+def find(order, lo, hi, loc):
+    """Index in ``order[lo:hi]`` (sorted) of the first entry ``>= loc`` (branch-free halving)."""
+    n = hi - lo
+    while n > 1:
+        half = n >> 1
+        lo += half * (order[lo + half - 1] < loc)
+        n -= half
+    return lo + (n == 1 and order[lo] < loc)
+
+
+@njit
+def near(order, lo, hi, loc, g, at_g):
+    """Index in ``order[lo:hi]`` (sorted, non-empty) of the first entry ``>= loc``, starting from
+    a guess ``g`` whose entry ``at_g`` is already loaded: gallop to bracket it, then halve."""
+    step = 1
+    if at_g < loc:
+        while g + step < hi and order[g + step] < loc:
+            g += step
+            step <<= 1
+        return find(order, g + 1, min(g + step, hi), loc)
+    while g - step >= lo and order[g - step] >= loc:
+        g -= step
+        step <<= 1
+    return find(order, max(lo, g - step + 1), g, loc)
+
+
+@njit
+def _first(sup):
+    """Class-order start of each class."""
+    E, nsb = sup.shape[0], sup.shape[1] - 1
+    first = np.zeros(E, np.int64)
+    for c in range(1, E):
+        first[c] = first[c - 1] + sup[c - 1, nsb]
+    return first
+
+
+@njit
+def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out):
+    """Class-order position of each changed element (``old``: its base bits, ``n``: elements);
+    returns the first entry the index does not hold (stale index) or that is out of order or
+    range, else -1.
+
+    Separate passes (classes, run bounds, the entry where a uniform run would hold each element,
+    searches from there) keep each pass's loads independent and branch-free, so the cache misses
+    of many changes overlap instead of waiting on each other.
+    """
+    m, first = positions.size, _first(sup)
+    cls, lo, hi = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
+    prev = -1
+    for j in range(m):
+        p = positions[j]
+        if p <= prev or p >= n:
+            return j
+        prev = p
+        cls[j] = _cls(old[j], shift, emask)
+    for j in range(m):
+        b, c = positions[j] >> BSHIFT, cls[j]
+        lo[j], hi[j] = (b << BSHIFT) + lfirst[b, c], (b << BSHIFT) + lfirst[b, c + 1]
+        out[j] = first[c] + sup[c, b >> SSHIFT] + sbefore[c, b] - lo[j]
+    guess, at_guess = np.empty(m, np.int64), np.empty(m, np.int64)
+    for j in range(m):
+        guess[j] = lo[j] + (((hi[j] - lo[j]) * (positions[j] & (BLOCK - 1))) >> BSHIFT)
+        at_guess[j] = order[min(guess[j], order.size - 1)]
+    for j in range(m):
+        loc = positions[j] & (BLOCK - 1)
+        if lo[j] == hi[j]:
+            return j
+        i = near(order, lo[j], hi[j], loc, guess[j], at_guess[j])
+        if i == hi[j] or order[i] != loc:
+            return j
+        out[j] += i
+    return -1
+
+
+@njit
+def select(cls, kk, order, lfirst, sbefore, sup):
+    """Flat index of the element of each rank ``kk[i]`` (``< hist[c]``) among those of class
+    ``cls[i]``, in passes: superblock and block (from the per-class rows), then the block's run."""
+    m = cls.size
+    blk, at = np.empty(m, np.int64), np.empty(m, np.int64)
+    for i in range(m):
+        c, k = cls[i], kk[i]
+        lo, hi = 0, sup.shape[1] - 2  # last superblock whose start count is <= k
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if sup[c, mid] <= k:
+                lo = mid
+            else:
+                hi = mid - 1
+        k -= sup[c, lo]
+        b = lo << SSHIFT
+        end = min(b + (1 << SSHIFT), lfirst.shape[0])
+        while b + 1 < end and sbefore[c, b + 1] <= k:
+            b += 1
+        blk[i], at[i] = b, k - sbefore[c, b] + (b << BSHIFT)
+    for i in range(m):
+        at[i] += lfirst[blk[i], cls[i]]
+    for i in range(m):
+        at[i] = (blk[i] << BSHIFT) + np.int64(order[at[i]])
+    return at
+
+
+@njit
+def _block_events(b, locs, c1s, c2s, order, lfirst, keys):
+    """Sort keys of a block's move events in old-order index: an arrival (inserted before that
+    index, ordered by class and local index) sorts before a departure (that entry skipped).
+    Returns False when a departing element is not in its old class's run."""
+    base = b << BSHIFT
+    for i in range(locs.size):
+        lo, hi = base + lfirst[b, c1s[i]], base + lfirst[b, c1s[i] + 1]
+        a = find(order, lo, hi, locs[i])
+        if a == hi or order[a] != locs[i]:
+            return False
+        ins = find(order, base + lfirst[b, c2s[i]], base + lfirst[b, c2s[i] + 1], locs[i])
+        keys[2 * i] = ((ins - base) << 22) | (c2s[i] << BSHIFT) | locs[i]
+        keys[2 * i + 1] = ((a - base) << 22) | (1 << 21)
+    return True
+
+
+@njit
+def _rewrite(b, keys, order, tmp):
+    """Rewrite block ``b``'s ``order`` between the first and last event (sorted ``keys``)."""
+    base = b << BSHIFT
+    start = keys[0] >> 22
+    cur, t = start, 0
+    for key in keys:
+        at = key >> 22
+        n = at - cur
+        if n > 0:
+            tmp[t : t + n] = order[base + cur : base + at]
+            t, cur = t + n, at
+        if key & (1 << 21):
+            cur = at + 1
+        else:
+            tmp[t] = key & (BLOCK - 1)
+            t += 1
+    order[base + start : base + start + t] = tmp[:t]
+
+
+@njit
+def _shift_move(b, loc, c1, c2, order, lfirst):
+    """One move by shifting the entries between its old and new place (False when absent)."""
+    base = b << BSHIFT
+    lo, hi = base + lfirst[b, c1], base + lfirst[b, c1 + 1]
+    a = find(order, lo, hi, loc)
+    if a == hi or order[a] != loc:
+        return False
+    ins = find(order, base + lfirst[b, c2], base + lfirst[b, c2 + 1], loc)
+    if c1 < c2:
+        order[a : ins - 1] = order[a + 1 : ins]
+        order[ins - 1] = loc
+    else:
+        order[ins + 1 : a + 1] = order[ins:a].copy()
+        order[ins] = loc
+    return True
+
+
+@njit
+def _move_block(b, locs, c1s, c2s, order, lfirst, keys, tmp):
+    """Apply the class moves of one block; False when one of them is not held as given.
+
+    One or two moves shift the entries between old and new place; more rewrite the block once."""
+    k = locs.size
+    if k <= SHIFTS:
+        for i in range(k):
+            if not _shift_move(b, locs[i], c1s[i], c2s[i], order, lfirst):
+                return False
+            _lfirst_move(b, c1s[i], c2s[i], lfirst)
+        return True
+    if not _block_events(b, locs, c1s, c2s, order, lfirst, keys[: 2 * k]):
+        return False
+    ev = keys[: 2 * k]
+    if k > 16:
+        ev.sort()
+    else:
+        for i in range(1, 2 * k):  # insertion sort: a few events
+            x, t = ev[i], i - 1
+            while t >= 0 and ev[t] > x:
+                ev[t + 1] = ev[t]
+                t -= 1
+            ev[t + 1] = x
+    _rewrite(b, ev, order, tmp)
+    for i in range(k):
+        _lfirst_move(b, c1s[i], c2s[i], lfirst)
+    return True
+
+
+@njit
+def _lfirst_move(b, c1, c2, lfirst):
+    if c1 < c2:
+        for c in range(c1 + 1, c2 + 1):
+            lfirst[b, c] -= 1
+    else:
+        for c in range(c2 + 1, c1 + 1):
+            lfirst[b, c] += 1
+
+
+@njit
+def _sbefore_move(b, c1, c2, sbefore):
+    end = min(((b >> SSHIFT) + 1) << SSHIFT, sbefore.shape[1])
+    for t in range(b + 1, end):
+        sbefore[c1, t] -= 1
+        sbefore[c2, t] += 1
+
+
+@njit
+def _block_moves(j, e, positions, old, new, shift, emask, locs, c1s, c2s):
+    k = 0
+    for i in range(j, e):
+        c1, c2 = _cls(old[i], shift, emask), _cls(new[i], shift, emask)
+        if c1 != c2:
+            locs[k], c1s[k], c2s[k] = positions[i] & (BLOCK - 1), c1, c2
+            k += 1
+    return k
+
+
+@njit
+def update(n, positions, old, new, shift, emask, order, lfirst, sbefore, sup):
+    """Apply the class moves of a committed delta (positions increasing).
+
+    Each block with moves is rewritten once between its first and last event (segment copies),
+    so a block costs its moves' searches plus at most one copy of its order.  Returns
+    ``(status, moves)``: status -1 when done, else an entry that was out of order or range or
+    whose old class the index does not hold there (the index is then inconsistent).
+    """
+    dirty = np.zeros(sup.shape[0], np.bool_)
+    locs, c1s, c2s = np.empty(BLOCK, np.int64), np.empty(BLOCK, np.int64), np.empty(BLOCK, np.int64)
+    keys, tmp = np.empty(2 * BLOCK, np.int64), np.empty(2 * BLOCK, order.dtype)
+    j, moves, prev = 0, 0, -1
+    while j < positions.size:
+        b = positions[j] >> BSHIFT
+        e = j
+        while e < positions.size and positions[e] >> BSHIFT == b:
+            if positions[e] <= prev or positions[e] >= n:
+                return e, moves
+            prev = positions[e]
+            e += 1
+        k = _block_moves(j, e, positions, old, new, shift, emask, locs, c1s, c2s)
+        if k and not _move_block(b, locs[:k], c1s[:k], c2s[:k], order, lfirst, keys, tmp):
+            return j, moves
+        for i in range(k):
+            _sbefore_move(b, c1s[i], c2s[i], sbefore)
+            dirty[c1s[i]] = dirty[c2s[i]] = True
+        moves += k
+        j = e
+    refresh_sup(lfirst, sbefore, sup, np.flatnonzero(dirty))
+    return -1, moves

@@ -1,0 +1,248 @@
+"""The compiled ``dcr`` coder and its kept class index against the independent references.
+
+References: the vectorized numpy coder (``encode_dcr_np``/``decode_dcr_np``, bytes pinned by the
+golden tests), the group-by-group coder and, for the index, the numpy blocked ranks
+(``encoder_sorted_pos_np``/``DecoderIndexNp``) and a fresh build on the new bits.  Cases:
+random bits, Adam-like steps, adversarial values (NaN payloads, +-Inf, -0, subnormals, sign
+flips), all-change, literal groups, block and superblock edges, real steps of the embedded model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nemo_dcr.codec.dcr import (
+    DcrIndex,
+    DcrIndexes,
+    StaleIndexError,
+    decode_dcr,
+    decode_dcr_np,
+    decode_dcr_per_group,
+    encode_dcr,
+    encode_dcr_np,
+    encode_dcr_per_group,
+)
+from nemo_dcr.codec.dcr import jit_codec
+from nemo_dcr.codec.dcr.index import DecoderIndexNp, encoder_sorted_pos_np
+from nemo_dcr.codec.bitio import ByteReader
+from nemo_dcr.codec.errors import MalformedRecordError
+from nemo_dcr.types import DTYPES
+
+SIZES = (1, 5, 4095, 4097, 65537, 150_001)
+
+
+def _realistic(rng, spec, n):
+    w = (rng.standard_normal(n) * 10.0 ** rng.integers(-4, 1)).astype(np.float32).view(np.uint32)
+    return w if spec.bits == 32 else (w >> (32 - spec.bits)).astype(spec.uint)
+
+
+def _special(spec) -> np.ndarray:
+    """Bit patterns of NaNs (payloads, both signs), +-Inf, +-0, subnormals, extremes of ``spec``."""
+    e_all, sign = ((1 << spec.exp_bits) - 1) << spec.exp_shift, spec.sign_mask
+    mant = (1 << spec.exp_shift) - 1
+    vals = [0, sign, e_all, e_all | sign, e_all | 1, e_all | mant | sign, 1, mant, sign | 1, sign | mant,
+            1 << spec.exp_shift, (e_all - (1 << spec.exp_shift)) | mant, sign | (e_all - (1 << spec.exp_shift))]
+    return np.array(vals, dtype=np.uint64).astype(spec.uint)
+
+
+def _case(rng, spec, n, density, mode):
+    base = rng.integers(0, 1 << spec.bits, n, dtype=np.uint64).astype(spec.uint) if mode in ("random", "special") \
+        else _realistic(rng, spec, n)
+    sp = _special(spec)
+    if mode == "special":
+        base[rng.integers(0, n, max(1, n // 3))] = sp[rng.integers(0, sp.size, max(1, n // 3))]
+    pos = np.sort(rng.choice(n, size=max(1, int(n * density)), replace=False)).astype(np.int64)
+    if mode == "random":
+        new = rng.integers(0, 1 << spec.bits, pos.size, dtype=np.uint64).astype(spec.uint)
+    elif mode == "special":
+        new = sp[rng.integers(0, sp.size, pos.size)]
+    else:
+        step = rng.integers(-3, 4, pos.size) * rng.integers(1, 40 if mode == "wide" else 2, pos.size)
+        new = (base[pos].astype(np.int64) + step).astype(spec.uint)
+    keep = new != base[pos]
+    return base, pos[keep], new[keep]
+
+
+def _check(spec, base, pos, new, index=None):
+    ref = encode_dcr_np(base, pos, new, spec)
+    assert encode_dcr(base, pos, new, spec) == ref
+    index = DcrIndex.build(base, spec) if index is None else index
+    assert encode_dcr(base, pos, new, spec, index) == ref
+    for ix in (None, index):
+        p, v, o = decode_dcr(ref, base, spec, "t", ix, with_old=True)
+        assert np.array_equal(p, pos) and np.array_equal(v, new) and v.dtype == spec.uint
+        assert np.array_equal(o, base[pos])
+    return ref
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("mode", ["random", "ulp", "wide", "special"])
+def test_compiled_bytes_equal_numpy(dtype, mode):
+    spec, rng = DTYPES[dtype], np.random.default_rng([sorted(DTYPES).index(dtype), len(mode)])
+    for n in SIZES:
+        for density in (0.003, 0.05, 0.7, 1.0):
+            base, pos, new = _case(rng, spec, n, density, mode)
+            if pos.size:
+                ref = _check(spec, base, pos, new)
+                if n < 5000:
+                    assert ref == encode_dcr_per_group(base, pos, new, spec)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_all_change_edges_and_literals(dtype):
+    spec, rng = DTYPES[dtype], np.random.default_rng(7)
+    n = 3 * 65536 + 5
+    base = _realistic(rng, spec, n)
+    new = base ^ np.array(1, spec.uint)  # every element, one ULP-ish step
+    _check(spec, base, np.arange(n, dtype=np.int64), new)
+    edges = np.array([0, 4095, 4096, 65535, 65536, n - 1], np.int64)
+    _check(spec, base, edges, base[edges] ^ np.array(spec.sign_mask, spec.uint))  # sign flips: big steps
+    # weights far below their update (one binade, random signs) get new values over six binades and
+    # either sign: the steps are bimodal (crossing zero or not), so the coder picks a literal group
+    bias = (1 << spec.exp_bits - 1) - 1
+    e_old = max(1, bias - 30)
+    sign = rng.integers(0, 2, n).astype(np.uint64) << (spec.bits - 1)
+    tiny = (sign | (e_old << spec.exp_shift) | rng.integers(0, 1 << spec.exp_shift, n).astype(np.uint64)).astype(spec.uint)
+    pos = np.sort(rng.choice(n, 5000, replace=False)).astype(np.int64)
+    e_new = (bias - 3 + rng.integers(-3, 3, pos.size)).astype(np.uint64)
+    lit = (rng.integers(0, 2, pos.size).astype(np.uint64) << (spec.bits - 1)) | (e_new << spec.exp_shift) | \
+        rng.integers(0, 1 << spec.exp_shift, pos.size).astype(np.uint64)
+    lit = lit.astype(spec.uint)
+    keep = lit != tiny[pos]
+    pos, lit = pos[keep], lit[keep]
+    body = ByteReader(_check(spec, tiny, pos, lit))
+    lo, groups, width, n, n_neg = (body.varint() for _ in range(5))
+    if spec.exp_bits < 8:
+        return  # too few binades below the update for the literal case
+    assert (lo, groups, width, n) == (e_old, 1, 1, pos.size) and n_neg == n + 1  # one literal group
+
+
+def test_inexact_rice_mean_falls_back_to_numpy(monkeypatch):
+    spec, rng = DTYPES["fp32"], np.random.default_rng(3)
+    base, pos, new = _case(rng, spec, 20_000, 0.1, "random")
+    calls = []
+    real = jit_codec.encode_dcr_np
+    monkeypatch.setattr(jit_codec, "encode_dcr_np", lambda *a: calls.append(1) or real(*a))
+    assert encode_dcr(base, pos, new, spec) == real(base, pos, new, spec)
+    assert not calls
+    monkeypatch.setattr(jit_codec, "EXACT", 1 << 20)  # sums of these steps exceed it
+    assert encode_dcr(base, pos, new, spec) == real(base, pos, new, spec)
+    assert calls == [1]
+
+
+# ------------------------------------------------------------------------------------------ index
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_index_ranks_select_and_updates_match_references(dtype):
+    spec, rng = DTYPES[dtype], np.random.default_rng(11)
+    for n in SIZES:
+        bits = _realistic(rng, spec, n) if n % 2 else rng.integers(0, 1 << spec.bits, n).astype(spec.uint)
+        ix = DcrIndex.build(bits, spec)
+        for density in (0.002, 0.3):  # shifted moves, then re-sorted blocks
+            pos = np.sort(rng.choice(n, max(1, int(n * density)), replace=False)).astype(np.int64)
+            hist, s = encoder_sorted_pos_np(bits, pos, spec)
+            assert np.array_equal(ix.hist, hist) and np.array_equal(ix.ranks(pos, bits[pos]), s)
+            assert np.array_equal(DecoderIndexNp(bits, spec).select(s), pos)
+            new = bits.copy()
+            new[pos] = rng.integers(0, 1 << spec.bits, pos.size).astype(spec.uint)
+            ix.update(pos, bits[pos], new[pos])
+            fresh = DcrIndex.build(new, spec)
+            assert all(np.array_equal(a, b) for a, b in zip(ix.tables(), fresh.tables()))
+            assert ix.checksum == fresh.checksum
+            bits = new
+
+
+def test_index_memory_per_element():
+    spec = DTYPES["bf16"]
+    ix = DcrIndex.build(np.zeros(1 << 22, np.uint16), spec)
+    assert ix.nbytes / ix.n < 2.3
+
+
+def test_wrong_update_invalidates_the_index_and_indexes_rebuild():
+    spec, rng = DTYPES["bf16"], np.random.default_rng(5)
+    bits = _realistic(rng, spec, 10_000)
+    ix = DcrIndex.build(bits, spec)
+    pos = np.array([10, 20], np.int64)
+    wrong_old = bits[pos] ^ np.array(1 << 10, np.uint16)  # another class than the index holds
+    with pytest.raises(StaleIndexError):
+        ix.update(pos, wrong_old, bits[pos])
+    assert ix.checksum is None
+    with pytest.raises(StaleIndexError):
+        ix.update(pos, bits[pos], bits[pos])
+    with pytest.raises(StaleIndexError):
+        ix.ranks(pos[::-1], bits[pos[::-1]])  # positions must increase
+    kept = DcrIndexes()
+    first = kept.get("w", bits, spec, 123)
+    assert kept.get("w", bits, spec, 123) is first and kept.builds == 1
+    assert kept.get("w", bits, spec, 124) is not first and kept.builds == 2  # other bits: rebuilt
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def _mutants(body: bytes, rng, count: int):
+    for _ in range(count):
+        b = bytearray(body)
+        kind = rng.integers(0, 4)
+        if kind == 0:
+            i = rng.integers(0, len(b))
+            b[i] ^= 1 << rng.integers(0, 8)
+        elif kind == 1:
+            b[rng.integers(0, len(b))] = rng.integers(0, 256)
+        elif kind == 2:
+            del b[rng.integers(0, len(b)) :]
+        else:
+            b.insert(rng.integers(0, len(b) + 1), rng.integers(0, 256))
+        yield bytes(b)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except MalformedRecordError:
+        return "refused"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "fp32"])
+def test_mutated_bodies_compiled_agrees_with_numpy(dtype):
+    spec, rng = DTYPES[dtype], np.random.default_rng(13)
+    base, pos, new = _case(rng, spec, 3000, 0.05, "wide")
+    body = encode_dcr_np(base, pos, new, spec)
+    ix = DcrIndex.build(base, spec)
+    refused = 0
+    for m in _mutants(body, rng, 400):
+        want = _outcome(lambda: decode_dcr_np(m, base, spec, "t"))
+        for got in (_outcome(lambda: decode_dcr(m, base, spec, "t")), _outcome(lambda: decode_dcr(m, base, spec, "t", ix))):
+            if isinstance(want, str):
+                assert got == "refused"
+            else:
+                assert not isinstance(got, str) and all(np.array_equal(a, b) for a, b in zip(got, want))
+        refused += isinstance(want, str)
+    assert 100 < refused < 400  # both kinds of outcome were exercised
+
+
+def test_per_group_decoder_agrees_on_a_compiled_body():
+    spec, rng = DTYPES["fp16"], np.random.default_rng(17)
+    base, pos, new = _case(rng, spec, 4000, 0.1, "ulp")
+    p, v = decode_dcr_per_group(encode_dcr(base, pos, new, spec), base, spec, "t")
+    assert np.array_equal(p, pos) and np.array_equal(v, new)
+
+
+# ------------------------------------------------------------------------------------------ real steps
+def test_real_steps_bytes_and_kept_index(real_checkpoints):
+    from nemo_dcr.checkpoint import load_checkpoint
+    from nemo_dcr.types import bits_view, spec_of
+
+    steps = [load_checkpoint(d) for d in real_checkpoints]
+    kept: dict[str, DcrIndex] = {}
+    changed = 0
+    for a, b in zip(steps, steps[1:]):
+        for name in a:
+            spec = spec_of(a[name].dtype)
+            old, cur = bits_view(a[name].contiguous()), bits_view(b[name].contiguous())
+            pos = np.flatnonzero(old != cur).astype(np.int64)
+            ix = kept.setdefault(name, DcrIndex.build(old, spec))
+            if pos.size:
+                _check(spec, old, pos, cur[pos], ix)
+                ix.update(pos, old[pos], cur[pos])
+                changed += pos.size
+            assert all(np.array_equal(x, y) for x, y in zip(ix.tables(), DcrIndex.build(cur, spec).tables()))
+    assert changed > 100_000
