@@ -1,0 +1,1 @@
+"""The edge to training and inference frameworks (they are imported only here, and lazily)."""
