@@ -84,6 +84,10 @@ class VllmEngine:
         self._placements = [placement_to_json(r) for r in ranks]
         llm.collective_rpc("dcr_attach", args=(self._placements, key, version))
         self.guard = VersionGuard(version)
+        self.last_apply: list[dict] = []
+        """Per rank, seconds its last prepare took (decode, validate, write, verify, repack)."""
+        self.last_dense: list[dict] = []
+        """Per rank, the timings of the last :meth:`load_weights`."""
         self._checksums = self._summed(llm.collective_rpc("dcr_checksums", args=(False,)))
 
     @classmethod
@@ -159,13 +163,20 @@ class VllmEngine:
         with self.guard.read() as version:
             yield version
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 16) -> tuple[list[list[int]], int]:
-        """Greedy generation from one version; returns the token ids per prompt and that version."""
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 16,
+                 **sampling) -> tuple[list[list[int]], int]:
+        """Greedy generation from one version; returns the token ids per prompt and that version.
+
+        Args:
+            prompts: text prompts, or token id lists.
+            max_tokens: tokens to generate per prompt.
+            **sampling: more ``vllm.SamplingParams`` fields (e.g. ``ignore_eos=True``).
+        """
         import vllm
         from vllm.inputs import TokensPrompt
 
         inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
         with self.serving() as version:
             outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], version
@@ -174,12 +185,15 @@ class VllmEngine:
         """Dense refit of this engine from a safetensors checkpoint through vLLM's ``load_weights``.
 
         Every rank reads the checkpoint and loads all of it; no undo log, no payload checks (the
-        conventional refit).  Returns the summed canonical checksums after a full rescan.
+        conventional refit), then a full checksum rescan.  Returns the summed canonical
+        checksums; :attr:`last_dense` keeps the ranks' timings (``load_seconds``, ``seconds``).
         """
         with self.guard.write():
             replies = self.llm.collective_rpc("dcr_load_weights", args=(str(path), version))
             self._checksums = self._summed(replies)
             self.guard.version = version
+        self.last_dense = [dict(rank=x["rank"], load_seconds=x["load_seconds"], seconds=x["seconds"])
+                           for x in replies]
         return dict(self._checksums)
 
     def compare(self, path: str) -> dict[int, list[str]]:
@@ -199,6 +213,7 @@ class VllmEngine:
                 raise RankRefusedError(target, failed, undone)
             self._checksums = self._summed(self.llm.collective_rpc("dcr_commit"))
             self.guard.version = replies[0]["target"]
+        self.last_apply = [dict(rank=x["rank"], seconds=x["seconds"]) for x in replies]
         touched: dict[str, int] = {}
         for x in replies:
             for n, c in x["touched"].items():

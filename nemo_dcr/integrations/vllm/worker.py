@@ -170,21 +170,25 @@ class DcrWorkerExtension:
         """Dense refit through the model's own ``load_weights`` from a safetensors checkpoint.
 
         Prepacked experts are loaded into their loader-layout copies and repacked.  Returns the
-        version, this rank's canonical partial checksums (full rescan) and the load seconds.
+        version, this rank's canonical partial checksums (full rescan), the seconds of reading and
+        loading (``load_seconds``) and in all (``seconds``, with the rescan).
         """
         from nemo_dcr.checkpoint import load_checkpoint
 
         model = self._dcr_model()
         t0 = time.perf_counter()
+        loaded = []
 
         def write() -> None:
             with self._dcr_loader_layout():
                 model.load_weights(load_checkpoint(path).items())
             for name, layer in self.dcr_packed.items():
                 layer.repack(name)
+            loaded.append(time.perf_counter() - t0)
 
         checksums = self.dcr_engine.dense_refit(write, version)
-        return dict(rank=self.rank, version=version, checksums=checksums, seconds=time.perf_counter() - t0)
+        return dict(rank=self.rank, version=version, checksums=checksums, load_seconds=loaded[0],
+                    seconds=time.perf_counter() - t0)
 
     def dcr_compare(self, path: str) -> list[str]:
         """Canonical tensors whose bits on this rank differ from the checkpoint at ``path``.
