@@ -59,6 +59,9 @@ class _Bases(Mapping):
         t = self._t[name]
         return t.gather() if isinstance(t, ShardView) else t
 
+    def __contains__(self, name) -> bool:  # Mapping's default would gather the view
+        return name in self._t
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._t)
 
