@@ -1,7 +1,8 @@
 """A real vLLM MoE engine (tiny random Qwen3-MoE, 4 experts) on CPU: vLLM prepacks the expert
 weights after loading (``process_weights_after_loading``), so the refit writes the loader-layout
 copies and repacks the touched experts; the checks read back what the kernel reads and compare
-every param with a fresh engine, so a post-load rearrangement cannot go unnoticed."""
+every param with a fresh engine, so a post-load rearrangement cannot go unnoticed; a dense
+``load_weights`` of the same engine goes through the loader layout and repacks too."""
 
 from __future__ import annotations
 
@@ -66,7 +67,11 @@ def test_moe_refit_repacks_experts_and_matches_fresh_engine(tiny_moe, tmp_path):
         assert eng.checksums(full=True) == eng.checksums()
         assert eng.compare(target_dir) == {0: []}
         refit, generated = engine_params(eng.llm), eng.generate(PROMPTS)
+        eng.load_weights(str(tiny_moe), 2)  # dense back to the base: loader layout, then repacked
+        dense = engine_params(eng.llm)
     with VllmEngine.start(str(target_dir), key=KEY, **ENGINE_ARGS) as fresh:
         assert param_differences(refit, engine_params(fresh.llm)) == []  # packed experts included
         assert generated == (fresh.generate(PROMPTS)[0], 1)
+    with VllmEngine.start(str(tiny_moe), key=KEY, **ENGINE_ARGS) as fresh:
+        assert param_differences(dense, engine_params(fresh.llm)) == []
     assert tokens_before != generated[0]
