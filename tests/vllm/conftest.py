@@ -15,7 +15,8 @@ HAVE_VLLM = vllm_installed()
 
 
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs vllm: install the vllm extra (NEMO_DCR_EXTRAS=vllm bash scripts/setup_env.sh)")
+    skip = pytest.mark.skip(reason="needs vllm: install the vllm extra "
+                                   "(NEMO_DCR_EXTRAS=vllm bash scripts/setup_env.sh)")
     for item in items:
         if item.get_closest_marker("vllm") and not HAVE_VLLM:
             item.add_marker(skip)
