@@ -22,8 +22,8 @@ import torch
 
 from nemo_dcr import codec
 from nemo_dcr.checkpoint import load_checkpoint
-from nemo_dcr.types import bits_view, spec_of
 from nemo_dcr.codec.stats import TensorStats, entropy_bits, layer_type, summarize
+from nemo_dcr.types import bits_view, spec_of
 
 ENCODINGS = ("reference", "dcr")
 

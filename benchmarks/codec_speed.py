@@ -37,12 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nemo_dcr.apply import TensorEngine  # noqa: E402
 from nemo_dcr.checkpoint import load_checkpoint  # noqa: E402
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas  # noqa: E402
-from nemo_dcr.codec.dcr import (DcrIndex, decode_dcr, decode_dcr_np, decode_dcr_per_group, encode_dcr,  # noqa: E402
-                                encode_dcr_np, encode_dcr_per_group)
-from nemo_dcr.kernels import write_bits  # noqa: E402
-from nemo_dcr.kernels.scan import changed_bits_np  # noqa: E402
+from nemo_dcr.codec.dcr import (  # noqa: E402
+    DcrIndex,
+    decode_dcr,
+    decode_dcr_np,
+    decode_dcr_per_group,
+    encode_dcr,
+    encode_dcr_np,
+    encode_dcr_per_group,
+)
 from nemo_dcr.codec.dcr.jit_decode import onepass_hist  # noqa: E402
 from nemo_dcr.codec.dcr.jit_encode import onepass_ranks  # noqa: E402
+from nemo_dcr.kernels import write_bits  # noqa: E402
+from nemo_dcr.kernels.scan import changed_bits_np  # noqa: E402
 from nemo_dcr.types import DTYPES, SparseDelta, bits_view, spec_of  # noqa: E402
 from nemo_dcr.verify.checksum import tensor_checksum, tensor_checksum_np, updated_checksum  # noqa: E402
 

@@ -21,10 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_dcr.codec.dcr import encode_dcr  # noqa: E402
-from nemo_dcr.types import DTYPES, bits_view  # noqa: E402
-from nemo_dcr.codec.dcr import decode_dcr_torch, encode_dcr_torch
+from nemo_dcr.codec.dcr import (
+    decode_dcr_torch,
+    encode_dcr,  # noqa: E402
+    encode_dcr_torch,
+)
 from nemo_dcr.kernels import scan_changes, write_bits  # noqa: E402
+from nemo_dcr.types import DTYPES, bits_view  # noqa: E402
 
 
 def timed(fn, device, reps: int = 5) -> float:

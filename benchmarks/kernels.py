@@ -21,12 +21,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_dcr.codec.dcr import (decode_dcr, decode_dcr_np, decode_dcr_per_group, encode_dcr, encode_dcr_np,  # noqa: E402
-                                encode_dcr_per_group)
-from nemo_dcr.types import bits_view, spec_of  # noqa: E402
-from nemo_dcr.codec.dcr import decode_dcr_torch, encode_dcr_torch
-from nemo_dcr.kernels import scan_changes  # noqa: E402
+from nemo_dcr.codec.dcr import (  # noqa: E402
+    decode_dcr,
+    decode_dcr_np,
+    decode_dcr_per_group,
+    decode_dcr_torch,
+    encode_dcr,
+    encode_dcr_np,
+    encode_dcr_per_group,
+    encode_dcr_torch,
+)
 from nemo_dcr.codec.dcr.index import encoder_sorted_pos_np  # noqa: E402
+from nemo_dcr.kernels import scan_changes  # noqa: E402
+from nemo_dcr.types import bits_view, spec_of  # noqa: E402
 from nemo_dcr.verify.checksum import tensor_checksum  # noqa: E402
 
 

@@ -44,10 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
-
-import numpy as np
 
 from nemo_dcr.checkpoint import load_checkpoint
 from nemo_dcr.refit.messages import QUERY_DIGESTS, EngineReply

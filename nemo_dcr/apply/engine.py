@@ -2,11 +2,16 @@
 
 Real engines (``nemo_dcr.integrations.hf.engine``, the vLLM worker extension) hand their live
 parameters to a :class:`TensorEngine` and wrap their generate call in :meth:`serving`.
+
+An engine spread over several processes (vLLM's TP ranks) commits a version only when every
+rank verified it: each rank :meth:`TensorEngine.prepare`-s (written, verified, undo log kept,
+write guard held), then the driver tells all ranks to :meth:`~TensorEngine.commit` or to
+:meth:`~TensorEngine.rollback`.  :meth:`TensorEngine.apply` is prepare-then-commit.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -15,9 +20,14 @@ from nemo_dcr.codec import DcrIndexes
 from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
 
+from .errors import RefitRefusedError
 from .guard import VersionGuard
 from .shard_view import ShardView
-from .transaction import ApplyResult, FaultHook, apply_parts, resync_parts
+from .transaction import ApplyResult, FaultHook, Prepared, prepare_parts, prepare_resync
+
+
+class PendingVersionError(RefitRefusedError):
+    """A prepared version is waiting for commit or rollback (or none is, when one was expected)."""
 
 
 def full_checksums(tensors: Mapping[str, "torch.Tensor | ShardView"]) -> dict[str, int]:
@@ -49,6 +59,7 @@ class TensorEngine:
         self.guard = VersionGuard(version)
         self._checksums = full_checksums(self.tensors)
         self.fault: FaultHook | None = None
+        self._pending: tuple[Prepared, ExitStack] | None = None
 
     @property
     def version(self) -> int:
@@ -56,23 +67,77 @@ class TensorEngine:
         return self.guard.version
 
     def apply(self, parts: Sequence[bytes]) -> ApplyResult:
-        """Apply one version's parts as a transaction (see :func:`apply_parts`)."""
-        with self.guard.write():
-            result = apply_parts(self.tensors, parts, self.version, self._checksums, self.key, self.fault,
-                                 self.indexes)
-            self._commit(result)
-            if self.indexes is not None:  # only a committed version moves the indexes
-                self.indexes.update(result.deltas)
-        return result
+        """Apply one version's parts as a transaction (see :func:`~.transaction.apply_parts`)."""
+        self.prepare(parts)
+        return self.commit()
 
     def resync(self, parts: Sequence[bytes]) -> ApplyResult:
-        """Overwrite the named tensors from a full resync (see :func:`resync_parts`)."""
-        with self.guard.write():
-            result = resync_parts(self.tensors, parts, self.version, self.key, self.fault)
-            self._commit(result)
-            if self.indexes is not None:
-                self.indexes.drop(result.touched)
-        return result
+        """Overwrite the named tensors from a full resync (see :func:`~.transaction.resync_parts`)."""
+        self.prepare(parts, resync=True)
+        return self.commit()
+
+    def prepare(self, parts: Sequence[bytes], resync: bool = False) -> ApplyResult:
+        """Validate, write and verify one version; keep its undo log and the write guard.
+
+        Until :meth:`commit` or :meth:`rollback`, :attr:`version` stays the old one and readers
+        (:meth:`serving`) wait.  A failure rolls back at once and releases the guard.
+
+        Raises:
+            PendingVersionError: another prepared version is pending (nothing written).
+            RefitRefusedError, DeltaFormatError: as :func:`~.transaction.prepare_parts`.
+        """
+        if self._pending is not None:
+            raise PendingVersionError(f"version {self._pending[0].result.target_version} is prepared and "
+                                      "not yet committed or rolled back")
+        hold = ExitStack()
+        hold.enter_context(self.guard.write())
+        try:
+            if resync:
+                prepared = prepare_resync(self.tensors, parts, self.version, self.key, self.fault)
+            else:
+                prepared = prepare_parts(self.tensors, parts, self.version, self._checksums, self.key, self.fault,
+                                         self.indexes)
+        except BaseException:
+            hold.close()
+            raise
+        self._pending = (prepared, hold)
+        return prepared.result
+
+    @property
+    def pending(self) -> ApplyResult | None:
+        """The prepared, not yet committed version (None if there is none)."""
+        return None if self._pending is None else self._pending[0].result
+
+    def commit(self) -> ApplyResult:
+        """Move to the prepared version (drops its undo log, releases the write guard)."""
+        prepared, hold = self._take_pending("commit")
+        with hold:
+            self._commit(prepared.result)
+            if self.indexes is not None:  # only a committed version moves the indexes
+                if prepared.result.resync:
+                    self.indexes.drop(prepared.result.touched)
+                else:
+                    self.indexes.update(prepared.result.deltas)
+        return prepared.result
+
+    def rollback(self) -> ApplyResult:
+        """Undo the prepared version bit for bit (the engine keeps its old version)."""
+        prepared, hold = self._take_pending("roll back")
+        with hold:
+            prepared.rollback()
+        return prepared.result
+
+    def _refuse_if_pending(self, what: str) -> None:
+        """Raise instead of waiting on our own write guard (it is held while a version is pending)."""
+        if self._pending is not None:
+            raise PendingVersionError(f"{what} while version {self._pending[0].result.target_version} "
+                                      "is prepared: commit or roll back first")
+
+    def _take_pending(self, verb: str) -> tuple[Prepared, ExitStack]:
+        if self._pending is None:
+            raise PendingVersionError(f"nothing to {verb}: no version is prepared (engine at v{self.version})")
+        pending, self._pending = self._pending, None
+        return pending
 
     def dense_refit(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> dict[str, int]:
         """A conventional dense refit (the baseline benchmarks compare against): ``write`` overwrites
@@ -82,7 +147,11 @@ class TensorEngine:
 
         Returns:
             The full checksums after the write.
+
+        Raises:
+            PendingVersionError: a prepared version waits for commit or rollback.
         """
+        self._refuse_if_pending("a dense refit")
         with self.guard.write():
             write(self.tensors)
             self._checksums = full_checksums(self.tensors)
@@ -103,6 +172,7 @@ class TensorEngine:
         """
         if not full:
             return dict(self._checksums)
+        self._refuse_if_pending("a full checksum scan")
         with self.guard.read():
             self._checksums = full_checksums(self.tensors)
         return dict(self._checksums)

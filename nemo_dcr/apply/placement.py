@@ -135,8 +135,14 @@ Loader = Callable[[torch.Tensor, torch.Tensor], None]
 """``load(probe_buffer, iota)``: the engine's loader writing ``iota`` into ``probe_buffer``."""
 
 
+Fills = dict
+"""Engine param name -> list of ``(local flat positions, values)`` a loader wrote as constants
+(vLLM zero-fills vocab padding rows): what a fresh load leaves at positions no canonical element has."""
+
+
 def probe_tensor(name: str, shape: Sequence[int], param: str, param_shape: Sequence[int], load: Loader,
-                 dtype: torch.dtype = torch.int64, device: str | torch.device = "cpu") -> TensorPlacement | None:
+                 dtype: torch.dtype = torch.int64, device: str | torch.device = "cpu",
+                 fills: Fills | None = None) -> TensorPlacement | None:
     """Probe one loader call with an iota tensor; None if the rank holds no element of ``name``.
 
     Args:
@@ -145,6 +151,8 @@ def probe_tensor(name: str, shape: Sequence[int], param: str, param_shape: Seque
         load: the engine's loader call (see :data:`Loader`).
         dtype: probe dtype: ``int64`` (exact for any size) or ``float64`` (exact below 2**53).
         device: where the probe buffer lives (the param's device).
+        fills: if given, constants the loader wrote (values < 1 other than the -1 filler) are
+            added to it under ``param``.
 
     Raises:
         PlacementError: a written value is not a canonical index or lands twice.
@@ -153,6 +161,10 @@ def probe_tensor(name: str, shape: Sequence[int], param: str, param_shape: Seque
     buf = torch.full(tuple(param_shape), -1, dtype=dtype, device=device)
     load(buf, torch.arange(1, numel + 1, dtype=dtype, device=device).reshape(tuple(shape)))
     flat = buf.reshape(-1)
+    if fills is not None:
+        const = torch.nonzero((flat < 1) & (flat != -1)).reshape(-1)
+        if const.numel():
+            fills.setdefault(param, []).append((const.cpu().numpy(), flat[const].cpu().numpy()))
     local = torch.nonzero(flat >= 1).reshape(-1)
     values = flat[local]
     if values.dtype.is_floating_point and not torch.equal(values, values.round()):
@@ -238,8 +250,12 @@ def record_loader_calls(model: torch.nn.Module, names: Iterable[tuple[str, Seque
     current = [""]
 
     def recorder_for(pname: str):
-        def record(param, loaded, *args, **kwargs):
-            calls.setdefault(current[0], []).append(LoaderCall(pname, args, tuple(sorted(kwargs.items()))))
+        def record(*args, **kwargs):
+            # ``(param, loaded_weight, *rest)``, positional or by keyword (vLLM's MoE loader)
+            for i, key in enumerate(("param", "loaded_weight")):
+                if len(args) <= i:
+                    kwargs.pop(key, None)
+            calls.setdefault(current[0], []).append(LoaderCall(pname, args[2:], tuple(sorted(kwargs.items()))))
             return True  # MoE loaders are asked ``return_success=True``
         return record
 
@@ -257,7 +273,7 @@ def record_loader_calls(model: torch.nn.Module, names: Iterable[tuple[str, Seque
 
 def probe_model(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
                 calls: Mapping[str, Sequence[LoaderCall]], get_loader: Callable[[torch.nn.Parameter], Callable],
-                dtype: torch.dtype = torch.int64) -> dict[str, TensorPlacement]:
+                dtype: torch.dtype = torch.int64, fills: Fills | None = None) -> dict[str, TensorPlacement]:
     """Probe every recorded loader call; the param's data is swapped for the probe buffer meanwhile.
 
     Args:
@@ -266,6 +282,7 @@ def probe_model(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
         calls: from :func:`record_loader_calls`.
         get_loader: the param's real loader (``param.weight_loader`` or a default).
         dtype: probe dtype (see :func:`probe_tensor`).
+        fills: collects the constants loaders write (see :func:`probe_tensor`).
 
     Returns:
         Canonical name -> placement, for the tensors this rank holds.
@@ -276,7 +293,7 @@ def probe_model(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
         for c in cs:
             param = params[c.param]
             tp = probe_tensor(name, shapes[name], c.param, tuple(param.shape),
-                              _swapped(param, get_loader(param), c), dtype, param.device)
+                              _swapped(param, get_loader(param), c), dtype, param.device, fills)
             if tp is None:
                 continue
             if name in out:
@@ -287,12 +304,14 @@ def probe_model(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
 
 def _swapped(param: torch.nn.Parameter, loader: Callable, call: LoaderCall) -> Loader:
     def load(buf: torch.Tensor, iota: torch.Tensor) -> None:
-        saved = param.data
+        saved, grad = param.data, param.requires_grad
+        param.requires_grad_(False)  # an integer probe buffer cannot back a param that requires grad
         param.data = buf
         try:
             loader(param, iota, *call.args, **dict(call.kwargs))
         finally:
             param.data = saved
+            param.requires_grad_(grad)
     return load
 
 

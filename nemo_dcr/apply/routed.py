@@ -10,7 +10,7 @@ all engine ranks gives each canonical tensor's total, replicated elements counte
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -77,7 +77,30 @@ class RoutedEngine:
 
     def apply(self, parts: Sequence[bytes]) -> ApplyResult:
         """One version, transactional; canonical checksums move by the changes written."""
-        result = self.inner.apply(parts)
+        self.prepare(parts)
+        return self.commit()
+
+    def resync(self, parts: Sequence[bytes]) -> ApplyResult:
+        """Full resync of the named views (transactional); their canonical sums are rescanned."""
+        self.prepare(parts, resync=True)
+        return self.commit()
+
+    def prepare(self, parts: Sequence[bytes], resync: bool = False) -> ApplyResult:
+        """Write and verify one version, keep its undo log (see :meth:`TensorEngine.prepare`)."""
+        return self.inner.prepare(parts, resync)
+
+    @property
+    def pending(self) -> ApplyResult | None:
+        """The prepared, not yet committed version (None if there is none)."""
+        return self.inner.pending
+
+    def commit(self) -> ApplyResult:
+        """Move to the prepared version; canonical sums move by its changes (rescanned for a resync)."""
+        result = self.inner.commit()
+        if result.resync:
+            for n in result.touched:
+                self._canonical[n] = self._scan(n)
+            return result
         for d in result.deltas:
             tp = self.placement[d.name]
             keep = _in_primary(tp, d.positions)
@@ -86,19 +109,27 @@ class RoutedEngine:
             self._canonical[d.name] = s & MASK64
         return result
 
-    def resync(self, parts: Sequence[bytes]) -> ApplyResult:
-        """Full resync of the named views (transactional); their canonical sums are rescanned."""
-        result = self.inner.resync(parts)
-        for n in result.touched:
-            self._canonical[n] = self._scan(n)
-        return result
+    def rollback(self) -> ApplyResult:
+        """Undo the prepared version bit for bit."""
+        return self.inner.rollback()
+
+    def dense_refit(self, write: Callable[[], None], version: int) -> dict[str, int]:
+        """A conventional dense refit (``write`` overwrites the engine's params by its own means,
+        e.g. the engine's ``load_weights``), then a full rescan; moves to ``version``.
+
+        Returns:
+            The canonical partial checksums after the write.
+        """
+        self.inner.dense_refit(lambda tensors: write(), version)
+        self._canonical = {n: self._scan(n) for n in self.placement}
+        return dict(self._canonical)
 
     def checksums(self, full: bool = False) -> dict[str, int]:
         """Canonical partial checksums over this rank's primary elements."""
         if full:
+            self.inner.checksums(full=True)  # refuses while a version is prepared
             with self.inner.guard.read():
                 self._canonical = {n: self._scan(n) for n in self.placement}
-            self.inner.checksums(full=True)
         return dict(self._canonical)
 
     def serving(self):

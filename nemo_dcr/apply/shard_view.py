@@ -51,10 +51,13 @@ class ShardView:
         return torch.from_numpy(self.runs.view_to_local(view_positions)).to(self.param.device)
 
     def gather(self) -> torch.Tensor:
-        """A contiguous copy of the held elements in view order (shape ``(n,)``, param dtype)."""
+        """The held elements in view order (shape ``(n,)``, param dtype), for reading only: a view
+        of the param when they are one run (no copy of a whole tensor per decode), else a copy."""
         flat = self.param.detach().reshape(-1)
         r = self.runs
         if r.length.size <= _GATHER_RUNS:
             parts = [flat[int(s):int(s) + int(n)] for s, n in zip(r.local, r.length)]
+            if len(parts) == 1:
+                return parts[0]
             return torch.cat(parts) if parts else flat[:0].clone()
         return flat[torch.from_numpy(r.expand()[1]).to(flat.device)]

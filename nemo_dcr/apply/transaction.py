@@ -13,6 +13,12 @@ Phases (docs/refit.md, "Transactions"):
    ``C' = C - sum h(i, old) + sum h(i, read back)`` must equal the record's target checksum.
 4. **commit** (caller moves its version) or, on any exception in 2-3, **roll back**: the undo
    log restores every touched element in reverse order, bit for bit.
+
+An engine spread over several ranks (one process per TP rank) needs every rank to have passed 3
+before any rank commits: :func:`prepare_parts` / :func:`prepare_resync` stop after 3 and return
+a :class:`Prepared` that keeps the undo log, so the caller commits (drops the log) or rolls back
+later, when it has heard from all ranks.  :func:`apply_parts` / :func:`resync_parts` are
+prepare-then-commit on one rank.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ class _Bases(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._t[name]
         return t.gather() if isinstance(t, ShardView) else t
+
+    def __contains__(self, name) -> bool:  # Mapping's default would gather the view
+        return name in self._t
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._t)
@@ -142,11 +151,28 @@ def _check_versions(headers, version: int, resync: bool) -> int:
     return target
 
 
-def _transact(writes: Callable[[UndoLog], dict[str, int]]) -> tuple[dict[str, int], int]:
+@dataclass
+class Prepared:
+    """A version written and verified but not committed: the undo log is still held.
+
+    Attributes:
+        result: what the transaction did (as :func:`apply_parts` would return it).
+        undo: the old bits of every written element; :meth:`rollback` restores them.
+    """
+
+    result: ApplyResult
+    undo: UndoLog
+
+    def rollback(self) -> None:
+        """Restore every written element, bit for bit."""
+        self.undo.rollback()
+
+
+def _transact(writes: Callable[[UndoLog], dict[str, int]]) -> tuple[dict[str, int], UndoLog]:
     undo = UndoLog()
     try:
         touched = writes(undo)
-        return touched, undo.nbytes
+        return touched, undo
     except BaseException:
         undo.rollback()
         raise
@@ -156,6 +182,16 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
                 checksums: Mapping[str, int], key: bytes | None = None,
                 fault: FaultHook | None = None, indexes: DcrIndexes | None = None) -> ApplyResult:
     """Apply all parts of one version as one transaction (see the module docstring).
+
+    Same arguments and errors as :func:`prepare_parts`; commits at once (the undo log is dropped).
+    """
+    return prepare_parts(tensors, parts, version, checksums, key, fault, indexes).result
+
+
+def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
+                  checksums: Mapping[str, int], key: bytes | None = None,
+                  fault: FaultHook | None = None, indexes: DcrIndexes | None = None) -> Prepared:
+    """Validate, write and verify one version, keeping the undo log (phases 1-3).
 
     Args:
         tensors: the engine's live tensors by canonical name (contiguous, any device).
@@ -190,8 +226,8 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
         _verify_sparse(tensors, deltas, checksums, new_ck)
         return touched
 
-    touched, nbytes = _transact(writes)
-    return ApplyResult(version, target, touched, new_ck, False, nbytes, tuple(deltas))
+    touched, undo = _transact(writes)
+    return Prepared(ApplyResult(version, target, touched, new_ck, False, undo.nbytes, tuple(deltas)), undo)
 
 
 def _verify_sparse(tensors, deltas: Sequence[SparseDelta], checksums, new_ck) -> None:
@@ -224,8 +260,15 @@ def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ve
     """Full resync: payloads encoded against all-zero tensors overwrite the named tensors.
 
     The target version must be newer than ``version``; tensors not in the payload keep their
-    bits.  The undo log holds whole tensors (a resync is a 100%-density delta).
+    bits.  The undo log holds whole tensors (a resync is a 100%-density delta).  Commits at
+    once; :func:`prepare_resync` keeps the undo log instead.
     """
+    return prepare_resync(tensors, parts, version, key, fault).result
+
+
+def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
+                   key: bytes | None = None, fault: FaultHook | None = None) -> Prepared:
+    """A full resync written and verified, not committed (see :func:`resync_parts`)."""
     zeros = _zero_base(tensors, parts, key)
     decoded = [decode(p, zeros, key) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=True)
@@ -250,9 +293,9 @@ def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ve
                                              f"payload target {records[d.name].target_checksum}")
         return touched
 
-    touched, nbytes = _transact(writes)
+    touched, undo = _transact(writes)
     new_ck = {n: int(r.target_checksum, 16) for n, r in records.items()}
-    return ApplyResult(version, target, touched, new_ck, True, nbytes)
+    return Prepared(ApplyResult(version, target, touched, new_ck, True, undo.nbytes), undo)
 
 
 def _overwrite(undo: UndoLog, t: Live, full: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import torch
 from ..kernels import write_bits
 from ..types import SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
+from .dcr import DcrIndexes
 from .errors import (
     AuthenticationError,
     BaseChecksumMismatchError,
@@ -38,7 +39,6 @@ from .header import (
     parse_header,
     read_preamble,
 )
-from .dcr import DcrIndexes
 from .records import decode_record, encode_record
 
 MAC_BYTES = 32

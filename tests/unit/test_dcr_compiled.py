@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nemo_dcr.codec.bitio import ByteReader
 from nemo_dcr.codec.dcr import (
     DcrIndex,
     DcrIndexes,
@@ -22,10 +23,9 @@ from nemo_dcr.codec.dcr import (
     encode_dcr,
     encode_dcr_np,
     encode_dcr_per_group,
+    jit_codec,
 )
-from nemo_dcr.codec.dcr import jit_codec
 from nemo_dcr.codec.dcr.index import DecoderIndexNp, encoder_sorted_pos_np
-from nemo_dcr.codec.bitio import ByteReader
 from nemo_dcr.codec.errors import MalformedRecordError
 from nemo_dcr.types import DTYPES
 

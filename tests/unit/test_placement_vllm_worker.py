@@ -1,6 +1,7 @@
-"""The vLLM worker extension's code path on CPU, mixed into a stand-in worker whose model is the
-loader-contract stand-in (``tests.standins.vllm_standin``, not vLLM): probe, attach, apply a
-routed delta per TP rank, and sum canonical checksums to the trainer's totals."""
+"""The vLLM worker extension's code path without vLLM, mixed into a stand-in worker whose model is
+the loader-contract stand-in (``tests.standins.vllm_standin``, not vLLM): probe, attach,
+prepare and commit a routed delta per TP rank, roll back when one rank refuses, and sum canonical
+checksums to the trainer's totals.  The real engine is tested in ``tests/vllm``."""
 
 from __future__ import annotations
 
@@ -39,14 +40,23 @@ def test_worker_extension_applies_routed_delta():
         t.view(torch.int16).reshape(-1)[::3] += 1  # change a third of every tensor by one ULP
     workers = [StandinWorker(r, base) for r in range(TP)]
     shapes = {n: list(s) for n, s in canonical_shapes(D).items()}
-    ranks = assign_primary([placement_from_json(w.dcr_probe(shapes)) for w in workers])
+    ranks = assign_primary([placement_from_json(w.dcr_probe(shapes)["placement"]) for w in workers])
     for w in workers:
         w.dcr_attach([placement_to_json(r) for r in ranks], KEY, 0)
+    base_live = {n: p.detach().clone() for n, p in workers[0].model_runner.model.named_parameters()}
     mirror = SenderMirror({n: ("bf16", tuple(t.shape)) for n, t in base.items()})
     mirror.reset(base, 0)
     parts = Fanout(dict(enumerate(ranks)), mirror).encode(diff_tensors(base, target), Identity(base_version=0,
                                                           target_version=1), "dcr", KEY, 1 << 20)
-    assert all(w.dcr_apply([parts[r] for r in range(TP)])["version"] == 1 for w in workers)
+    by_rank = [parts[r] for r in range(TP)]
+    bad = [by_rank[0], [b"\0" + p[1:] for p in by_rank[1]]]
+    replies = [w.dcr_prepare(bad) for w in workers]
+    assert [x["ok"] for x in replies] == [True, False] and replies[1]["error"]
+    assert [w.dcr_rollback()["rolled_back"] for w in workers] == [True, False]
+    assert all(torch.equal(p.view(torch.int16), base_live[n].view(torch.int16))
+               for n, p in workers[0].model_runner.model.named_parameters())
+    assert all(w.dcr_prepare(by_rank)["ok"] for w in workers)
+    assert all(w.dcr_commit()["version"] == 1 for w in workers)
     sums = {}
     for w in workers:
         for n, c in w.dcr_checksums(full=True)["checksums"].items():

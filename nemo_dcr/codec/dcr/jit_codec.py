@@ -12,8 +12,8 @@ from .decode import decode_dcr_np
 from .encode import encode_dcr_np
 from .groups import MIN_GROUP_CHANGES
 from .jit_decode import ERR, finish, onepass_hist, onepass_select, parse
-from .jit_index import select
 from .jit_encode import encode_kernel, onepass_ranks
+from .jit_index import select
 
 EXACT = 1 << 53  # sums of Rice values from here on have an inexact float mean: numpy decides k
 

@@ -1,0 +1,263 @@
+"""A live vLLM engine (all of its TP ranks) as one refit engine, driven from the ``LLM`` owner.
+
+:class:`VllmEngine` implements what the refit protocol's server drives
+(:class:`nemo_dcr.refit.server.Engine`: ``version``, ``apply``, ``resync``, ``checksums``) plus
+``serving()`` and ``generate()`` for rollouts, over the worker extension
+(:mod:`nemo_dcr.integrations.vllm.worker`) in every TP rank:
+
+* **Routing**: ``apply`` takes each engine rank's parts (``{rank: [part, ...]}``, what
+  :meth:`nemo_dcr.refit.fanout.Fanout.encode` returns); with TP > 1 each part travels in a file
+  that only its rank reads (``collective_rpc`` broadcasts its arguments to every rank).
+* **One transaction over all ranks**: every rank prepares (writes, verifies, keeps its undo
+  log); only if all of them verified does the driver tell them to commit, otherwise every rank
+  that prepared rolls back, so no rank keeps a version another rank refused.
+* **Checksums**: the ranks' canonical partial checksums summed mod 2**64 (layout-independent,
+  equal to the trainer's totals).
+* **Read guard**: ``generate`` holds the driver's read guard; apply holds the write guard from
+  prepare to commit/rollback, so no generation runs on a mix of versions.
+* **Dense reference**: :meth:`VllmEngine.load_weights` refits the same engine through the
+  model's own ``load_weights`` (what a benchmark compares the sparse refit against).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Sequence
+
+from nemo_dcr.apply import ApplyResult, RefitRefusedError, VersionGuard
+from nemo_dcr.apply.placement import assign_primary, check_coverage, placement_from_json, placement_to_json
+from nemo_dcr.verify.checksum import MASK64
+
+from . import WORKER_EXTENSION
+
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""Defaults :meth:`VllmEngine.start` puts in the environment (unless already set) before vLLM is
+imported: 1 GiB KV cache, no thread pinning, offline, engine core in the driver process (TP
+workers still run in their own processes)."""
+
+
+class RankRefusedError(RefitRefusedError):
+    """An engine rank refused or failed to verify a version; every rank rolled back.
+
+    Attributes:
+        failures: ``(rank, exception type name, message)`` of each failing rank.
+        rolled_back: ranks that had written and verified the version and undid it.
+    """
+
+    def __init__(self, version: int, failures: Sequence[tuple[int, str, str]], rolled_back: Sequence[int] = ()):
+        self.failures = list(failures)
+        self.rolled_back = list(rolled_back)
+        lines = "; ".join(f"rank {r}: {kind}: {msg[:300]}" for r, kind, msg in self.failures)
+        super().__init__(f"v{version} rolled back on every rank: {lines}")
+
+
+def canonical_shapes(model_dir: str) -> dict[str, list[int]]:
+    """Canonical tensor shapes of the safetensors checkpoint in ``model_dir`` (headers only)."""
+    from nemo_dcr.checkpoint import list_tensors
+
+    return {n: list(shape) for n, (_, shape) in list_tensors(model_dir).items()}
+
+
+class VllmEngine:
+    """All TP ranks of one ``vllm.LLM`` as a refit engine (build it with :meth:`start`).
+
+    Args:
+        llm: an ``LLM`` created with ``worker_extension_cls=WORKER_EXTENSION``.
+        shapes: canonical tensor name -> shape (what payload records name).
+        key: HMAC key every payload must carry.
+        version: the version the loaded weights are.
+    """
+
+    def __init__(self, llm, shapes: Mapping[str, Sequence[int]], key: bytes | None = None, version: int = 0):
+        self.llm = llm
+        self.tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        if llm.llm_engine.vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("VllmEngine supports tensor parallelism only (pipeline_parallel_size must be 1)")
+        self.shapes = {n: list(s) for n, s in shapes.items()}
+        self.probed = llm.collective_rpc("dcr_probe", args=(self.shapes,))
+        ranks = assign_primary([placement_from_json(p["placement"]) for p in self.probed])
+        check_coverage(ranks, self.shapes)
+        self._placements = [placement_to_json(r) for r in ranks]
+        llm.collective_rpc("dcr_attach", args=(self._placements, key, version))
+        self.guard = VersionGuard(version)
+        self.last_apply: list[dict] = []
+        """Per rank, seconds its last prepare took (decode, validate, write, verify, repack)."""
+        self.last_dense: list[dict] = []
+        """Per rank, the timings of the last :meth:`load_weights`."""
+        self._checksums = self._summed(llm.collective_rpc("dcr_checksums", args=(False,)))
+
+    @classmethod
+    def start(cls, model: str, tensor_parallel_size: int = 1, key: bytes | None = None, version: int = 0,
+              shapes: Mapping[str, Sequence[int]] | None = None, **llm_kwargs) -> "VllmEngine":
+        """Start ``vllm.LLM`` on ``model`` (an HF folder) with the worker extension and attach.
+
+        Args:
+            model: HF model folder (``config.json`` with ``architectures``, safetensors weights).
+            tensor_parallel_size: engine TP ranks.
+            key, version: see the class.
+            shapes: canonical shapes (default: read from ``model``'s safetensors headers).
+            **llm_kwargs: more ``vllm.LLM`` arguments (``load_format="dummy"``, ``tokenizer``, ...);
+                defaults: ``dtype="bfloat16"``, ``enforce_eager=True``, ``max_model_len=512``.
+        """
+        for k, v in CPU_ENV.items():
+            os.environ.setdefault(k, v)
+        import vllm
+
+        kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
+        llm = vllm.LLM(model=model, tensor_parallel_size=tensor_parallel_size,
+                       worker_extension_cls=WORKER_EXTENSION, **kwargs)
+        return cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version)
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes exit)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def __enter__(self) -> "VllmEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def version(self) -> int:
+        """The version every rank holds."""
+        return self.guard.version
+
+    def placements(self) -> list[dict]:
+        """Each engine rank's placement (JSON form of :mod:`nemo_dcr.apply.placement`, primary assigned)."""
+        return [dict(p) for p in self._placements]
+
+    def routes(self) -> dict[int, dict]:
+        """Engine rank -> placement objects (for ``Fanout(routes=...)`` on the trainer side)."""
+        return {r: placement_from_json(p) for r, p in enumerate(self._placements)}
+
+    def apply(self, parts: Mapping[int, Sequence[bytes]] | Sequence[bytes]) -> ApplyResult:
+        """Apply one version on every rank as one transaction (see the module docstring).
+
+        Args:
+            parts: ``{engine rank: its parts}``; a plain list only when TP is 1.
+
+        Raises:
+            RankRefusedError: some rank refused or failed verification; all ranks rolled back.
+        """
+        return self._transact(parts, resync=False)
+
+    def resync(self, parts: Mapping[int, Sequence[bytes]] | Sequence[bytes]) -> ApplyResult:
+        """Full resync of the named tensors on every rank (one transaction; see :meth:`apply`)."""
+        return self._transact(parts, resync=True)
+
+    def checksums(self, full: bool = False) -> dict[str, int]:
+        """Canonical checksums summed over the ranks (incremental, or a full rescan on every rank)."""
+        if full:
+            with self.guard.read():
+                self._checksums = self._summed(self.llm.collective_rpc("dcr_checksums", args=(True,)))
+        return dict(self._checksums)
+
+    @contextmanager
+    def serving(self) -> Iterator[int]:
+        """Hold the current version for one generation; yields it."""
+        with self.guard.read() as version:
+            yield version
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 16,
+                 **sampling) -> tuple[list[list[int]], int]:
+        """Greedy generation from one version; returns the token ids per prompt and that version.
+
+        Args:
+            prompts: text prompts, or token id lists.
+            max_tokens: tokens to generate per prompt.
+            **sampling: more ``vllm.SamplingParams`` fields (e.g. ``ignore_eos=True``).
+        """
+        import vllm
+        from vllm.inputs import TokensPrompt
+
+        inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+        with self.serving() as version:
+            outs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], version
+
+    def load_weights(self, path: str, version: int) -> dict[str, int]:
+        """Dense refit of this engine from a safetensors checkpoint through vLLM's ``load_weights``.
+
+        Every rank reads the checkpoint and loads all of it; no undo log, no payload checks (the
+        conventional refit), then a full checksum rescan.  Returns the summed canonical
+        checksums; :attr:`last_dense` keeps the ranks' timings (``load_seconds``, ``seconds``).
+        """
+        with self.guard.write():
+            replies = self.llm.collective_rpc("dcr_load_weights", args=(str(path), version))
+            self._checksums = self._summed(replies)
+            self.guard.version = version
+        self.last_dense = [dict(rank=x["rank"], load_seconds=x["load_seconds"], seconds=x["seconds"])
+                           for x in replies]
+        return dict(self._checksums)
+
+    def compare(self, path: str) -> dict[int, list[str]]:
+        """Per rank, the canonical tensors whose placed elements differ from checkpoint ``path``."""
+        with self.guard.read():
+            return dict(enumerate(self.llm.collective_rpc("dcr_compare", args=(str(path),))))
+
+    def _transact(self, parts, resync: bool) -> ApplyResult:
+        by_rank = self._by_rank(parts)
+        with self.guard.write():
+            with _carried(by_rank, self.tp) as carried:
+                replies = self.llm.collective_rpc("dcr_prepare", args=(carried, resync))
+            failed = [(x["rank"], x["error"], x["message"]) for x in replies if not x["ok"]]
+            if failed:
+                undone = [x["rank"] for x in self.llm.collective_rpc("dcr_rollback") if x["rolled_back"]]
+                target = next((x["target"] for x in replies if x["ok"]), self.version + 1)
+                raise RankRefusedError(target, failed, undone)
+            self._checksums = self._summed(self.llm.collective_rpc("dcr_commit"))
+            self.guard.version = replies[0]["target"]
+        self.last_apply = [dict(rank=x["rank"], seconds=x["seconds"]) for x in replies]
+        touched: dict[str, int] = {}
+        for x in replies:
+            for n, c in x["touched"].items():
+                touched[n] = touched.get(n, 0) + c
+        return ApplyResult(replies[0]["base"], replies[0]["target"], touched, dict(self._checksums), resync,
+                           sum(x["undo_bytes"] for x in replies))
+
+    def _by_rank(self, parts) -> list[list[bytes]]:
+        if isinstance(parts, Mapping):
+            unknown = sorted(set(parts) - set(range(self.tp)))
+            if unknown:
+                raise ValueError(f"parts for engine ranks {unknown}; this engine has ranks 0..{self.tp - 1}")
+            return [list(parts.get(r, ())) for r in range(self.tp)]
+        if self.tp != 1:
+            raise ValueError(f"a flat list of parts is ambiguous with {self.tp} engine ranks: "
+                             "pass {rank: parts} (Fanout.encode returns that)")
+        return [list(parts)]
+
+    @staticmethod
+    def _summed(replies: Sequence[dict]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for x in replies:
+            for n, c in x["checksums"].items():
+                out[n] = (out.get(n, 0) + c) & MASK64
+        return out
+
+
+@contextmanager
+def _carried(by_rank: list[list[bytes]], tp: int) -> Iterator[list[list[bytes | str]]]:
+    """Parts as ``collective_rpc`` can carry them: bytes for one rank, else one file per part."""
+    if tp == 1:
+        yield by_rank
+        return
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    spool = tempfile.mkdtemp(prefix="nemo_dcr_parts_", dir=root)
+    try:
+        paths = []
+        for r, parts in enumerate(by_rank):
+            paths.append([])
+            for i, data in enumerate(parts):
+                path = os.path.join(spool, f"rank{r}_part{i}.bin")
+                with open(path, "wb") as f:
+                    f.write(data)
+                paths[-1].append(path)
+        yield paths
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
