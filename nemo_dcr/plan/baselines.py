@@ -1,7 +1,8 @@
 """What the same job would cost without a sparse refit, and with an export-then-diff sparse refit.
 
 * **Dense refit**: the trainer assembles full canonical tensors (Megatron-Bridge style export:
-  TP/EP gathers and pipeline broadcasts bring every tensor to every trainer node), the owner of
+  TP/EP gathers and pipeline broadcasts bring every tensor to every trainer node, one collective
+  per tensor, one conversion pass), the owner of
   each tensor sends every engine rank its whole shard over the same link tiers (streamed with the
   export), and the engine copies it in.
 * **Export-then-diff** (NeMo-RL's sparse refit design): the same full export on every trainer
@@ -24,14 +25,18 @@ from .links import GBIT
 from .work import TensorTable
 
 
-def export_seconds(model_bytes: float, setup: PlanSetup) -> tuple[float, str]:
-    """Full export: every GPU sees every tensor (NVLink), every node receives what it lacks (IB)."""
+def export_seconds(model_bytes: float, tensors: int, setup: PlanSetup, fig: Figures) -> tuple[float, str]:
+    """Full export: every GPU sees every tensor (NVLink), every node receives what it lacks (IB), one
+    collective per canonical tensor (its latency), and one conversion pass over the model."""
     links, nodes = setup.links, math.ceil(setup.trainer.world / setup.hardware.gpus_per_node)
     nv = model_bytes / (links.nvlink_gbps * GBIT)
     ib = model_bytes * (1 - 1 / nodes) / (links.ib_gbps * GBIT) if nodes > 1 else 0.0
+    lat = links.ib_latency_s if nodes > 1 else links.nvlink_latency_s
+    convert = model_bytes / (_load_kernels(setup, fig).memcpy_gbps * 1e9)
+    extra = tensors * lat + convert
     if ib > nv:
-        return ib + links.ib_latency_s, f"every trainer node receives the model over IB {links.ib_gbps:g} Gbit/s"
-    return nv + links.nvlink_latency_s, f"every GPU receives the model over NVLink {links.nvlink_gbps:g} Gbit/s"
+        return ib + extra, f"every trainer node receives the model over IB {links.ib_gbps:g} Gbit/s"
+    return nv + extra, f"every GPU receives the model over the {links.intra_node_name} ({links.nvlink_gbps:g} Gbit/s)"
 
 
 def _load_kernels(setup: PlanSetup, fig: Figures):
@@ -42,7 +47,7 @@ def dense_refit(table: TensorTable, tc: TensorCosts, trainers: list[RankCost], e
                 setup: PlanSetup, fig: Figures) -> dict:
     """Seconds and bytes of a dense refit through the same links."""
     model_bytes = float(table.numel.sum()) * ELEMENT_BYTES
-    export, export_bound = export_seconds(model_bytes, setup)
+    export, export_bound = export_seconds(model_bytes, len(table.names), setup, fig)
     out_b = table.by_owner(table.numel * ELEMENT_BYTES * tc.views, setup.trainer.world)
     in_b = np.array([sum(c.share.canonical.values()) * ELEMENT_BYTES for c in engines], float)
     send = send_transfer(trainers, engines, setup, out_b, in_b)
@@ -59,7 +64,7 @@ def export_then_diff(table: TensorTable, tc_ref: TensorCosts, trainers: list[Ran
     """Seconds, bytes and memory of NeMo-RL's sparse refit design on the same job."""
     producers = setup.trainer.world
     model_bytes = float(table.numel.sum()) * ELEMENT_BYTES
-    export, export_bound = export_seconds(model_bytes, setup)
+    export, export_bound = export_seconds(model_bytes, len(table.names), setup, fig)
     chunk = model_bytes / producers
     d2h = chunk / (setup.hardware.pcie_gbytes_s * 1e9) if setup.hardware.gpus else 0.0
     diff = d2h + chunk / (fig.cpu.scan_gbps * 1e9)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .figures import CodecTable, Kernels, density_of
 from .inputs import PlanSetup
-from .links import Transfer, transfer
+from .links import GBIT, Transfer, transfer
 from .work import RankShare, TensorTable
 
 ELEMENT_BYTES = 2
@@ -201,7 +201,27 @@ def route_transfer(trainers: list[RankCost], setup: PlanSetup) -> Transfer:
     in_b = np.array([c.owned_changes * ROUTE_BYTES for c in trainers])
     nodes = _nodes(trainers)
     return transfer(out_b, nodes, in_b, nodes, setup.links, "ib", local_share(setup, setup.trainer.world),
-                    ("trainer", "owner"))
+                    ("trainer", "owner"), store=False)
+
+
+def add_link_seconds(trainers: list[RankCost], engines: list[RankCost], setup: PlanSetup) -> None:
+    """Each rank's own transfer time per tier: its bytes over its node's link (the ranks of a node
+    add up to the node's time) and over NVLink for what stays in the node: ``route_<tier>`` and
+    ``send_<tier>`` / ``receive_<tier>``."""
+    links = setup.links
+    tier = network_tier(setup)
+    bw = {"ib": links.ib_gbps, "cross_cluster": links.cross_cluster_gbps or 0.0}
+    route_local = local_share(setup, setup.trainer.world)
+    send_local = route_local if setup.placement == "colocated" else 0.0
+    for side, costs in (("trainer", trainers), ("engine", engines)):
+        for c in costs:
+            flows = [("send" if side == "trainer" else "receive", c.payload_bytes, tier, send_local)]
+            if side == "trainer":
+                flows.append(("route", (c.changes + c.owned_changes) * ROUTE_BYTES, "ib", route_local))
+            for name, nbytes, t, local in flows:
+                c.seconds[f"{name}_{t}"] = nbytes * (1 - local) / (bw[t] * GBIT) if bw[t] else 0.0
+                if local:
+                    c.seconds[f"{name}_nvlink"] = nbytes * local / (links.nvlink_gbps * GBIT)
 
 
 def _slowest(costs: list[RankCost], phases: tuple[str, ...]) -> tuple[float, str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -100,7 +100,12 @@ def read_json(path: str | Path, what: str) -> Any:
 
 def cpu_kernels(path: str | Path = CPU_FIGURES) -> Kernels:
     """Measured CPU figures (``nemo-dcr plan --calibrate`` writes them)."""
-    return Kernels.from_dict(read_json(path, "CPU kernel figures")["kernels"], str(path))
+    doc = read_json(path, "CPU kernel figures")
+    if "kernels" not in doc:
+        raise FiguresError(f"{path}: no 'kernels' (write it with `nemo-dcr plan --calibrate`)")
+    k = Kernels.from_dict(doc["kernels"], str(path))
+    when = ", ".join(str(doc[f]) for f in ("data", "measured") if f in doc)
+    return replace(k, source=f"{k.source} ({when})") if when else k
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,8 @@ class Links:
     """Per node, to the other cluster (None: the engine is in the same cluster)."""
     object_store_gbps: float | None = None
     """Aggregate object-store throughput (None: payloads go point to point)."""
+    intra_node_name: str = "NVLink"
+    """What the intra-node tier is (``loopback`` on a CPU host)."""
     nvlink_latency_s: float = 10e-6
     ib_latency_s: float = 20e-6
     cross_cluster_latency_s: float = 30e-3

@@ -45,7 +45,7 @@ def _node_sums(per_rank: np.ndarray, nodes: np.ndarray) -> np.ndarray:
 
 
 def transfer(out_bytes: np.ndarray, out_nodes: np.ndarray, in_bytes: np.ndarray, in_nodes: np.ndarray,
-             links: Links, tier: str, local_share: float, names: tuple[str, str]) -> Transfer:
+             links: Links, tier: str, local_share: float, names: tuple[str, str], store: bool = True) -> Transfer:
     """Time to move the bytes of a phase.
 
     Args:
@@ -55,6 +55,8 @@ def transfer(out_bytes: np.ndarray, out_nodes: np.ndarray, in_bytes: np.ndarray,
         tier: the network tier between nodes (``ib`` or ``cross_cluster``).
         local_share: part of every rank's bytes that stays inside its node (over NVLink).
         names: how to call the sending and the receiving side (``trainer``, ``engine``).
+        store: the bytes go through the object store when one is configured (payloads; not the
+            trainer ranks' own exchange).
     """
     bw = {"ib": links.ib_gbps, "cross_cluster": links.cross_cluster_gbps or 0.0}[tier] * GBIT
     lat = {"ib": links.ib_latency_s, "cross_cluster": links.cross_cluster_latency_s}[tier]
@@ -66,11 +68,12 @@ def transfer(out_bytes: np.ndarray, out_nodes: np.ndarray, in_bytes: np.ndarray,
     nv = links.nvlink_gbps * GBIT
     if local_share > 0:
         busiest = max(out_bytes.max(initial=0.0), in_bytes.max(initial=0.0)) * local_share
-        cands[f"intra-node {names[0]}->{names[1]}, NVLink {nv / GBIT:g} Gbit/s per GPU"] = busiest / nv
+        cands[f"intra-node {names[0]}->{names[1]}, {links.intra_node_name} {nv / GBIT:g} Gbit/s per rank"] = busiest / nv
         lat = lat if remote > 0 else links.nvlink_latency_s
-    tiers = {"nvlink": max([v for k, v in cands.items() if "NVLink" in k], default=0.0),
-             tier: max(v for k, v in cands.items() if "NVLink" not in k)}
-    if links.object_store_gbps:
+    intra = [k for k in cands if k.startswith("intra-node")]
+    tiers = {"nvlink": max([cands[k] for k in intra], default=0.0),
+             tier: max(v for k, v in cands.items() if k not in intra)}
+    if store and links.object_store_gbps:
         store = float(in_bytes.sum()) / (links.object_store_gbps * GBIT)
         cands[f"object store {links.object_store_gbps:g} Gbit/s aggregate"] = store
         tiers["store"] = store

@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 from nemo_dcr.layout import MegatronSpec, ModelDims
 
 from .baselines import dense_refit, export_then_diff
-from .cost import Figures, Phase, RankCost, TensorCosts, critical_path, engine_costs, trainer_costs
+from .cost import (Figures, Phase, RankCost, TensorCosts, add_link_seconds, critical_path, engine_costs,
+                   trainer_costs)
 from .inputs import PlanSetup
 from .work import RankShare, ShareCache, TensorTable, engine_shares, tensor_table, trainer_shares
 
@@ -35,6 +36,8 @@ class Plan:
     params: int
     build_seconds: float
     """Wall seconds of this plan (shares included when they were computed for it)."""
+    build_cpu_seconds: float
+    """CPU seconds of the same (the wall clock also counts other processes on a shared machine)."""
     notes: list[str]
     shares: "Shares"
 
@@ -85,18 +88,18 @@ def make_plan(model: str, dims: ModelDims, setup: PlanSetup, fig: Figures, spec:
         LayoutError: a layout the model cannot take (names what and where).
         FiguresError: a figure missing for a layer type.
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     sh = shares or rank_shares(dims, setup, spec)
     tc = TensorCosts(sh.table, setup, fig)
     trainers = trainer_costs(sh.trainers, sh.table, tc, setup, fig)
     engines = engine_costs(sh.engines, tc, setup, fig)
+    add_link_seconds(trainers, engines, setup)
     path = critical_path(trainers, engines, setup)
     dense = dense_refit(sh.table, tc, trainers, engines, setup, fig)
     tc_ref = TensorCosts(sh.table, setup, fig, encoding="reference")
     export_diff = export_then_diff(sh.table, tc_ref, trainers, engines, setup, fig)
-    seconds = time.perf_counter() - t0
     return Plan(model, dims, setup, fig, trainers, engines, path, dense, export_diff, tc, int(sh.table.numel.sum()),
-                seconds, list(notes or []), sh)
+                time.perf_counter() - t0, time.process_time() - c0, list(notes or []), sh)
 
 
 def _phase(plan: Plan, name: str) -> Phase:
@@ -107,7 +110,7 @@ def _bottleneck_gbps(plan: Plan, bound: str) -> float | None:
     """The bandwidth (Gbit/s) of the link tier a send bound names."""
     links = plan.setup.links
     for word, value in (("cross_cluster", links.cross_cluster_gbps), ("object store", links.object_store_gbps),
-                        ("NVLink", links.nvlink_gbps), ("ib", links.ib_gbps)):
+                        (links.intra_node_name, links.nvlink_gbps), ("ib", links.ib_gbps)):
         if word in bound:
             return value
     return None

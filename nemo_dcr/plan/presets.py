@@ -18,7 +18,7 @@ from .inputs import EngineLayout, Hardware, Links, PlanSetup, TrainerLayout
 H200_NODE = Hardware()
 CPU_HOST = Hardware(gpus_per_node=64, host_cores_per_node=os.cpu_count() or 1, codec_device="cpu", gpus=False,
                     name="this CPU host (all ranks on one machine, host cores shared)")
-LOOPBACK = Links(nvlink_gbps=8.0, nvlink_latency_s=1e-3, ib_gbps=8.0, ib_latency_s=1e-3)
+LOOPBACK = Links(nvlink_gbps=8.0, nvlink_latency_s=1e-3, ib_gbps=8.0, ib_latency_s=1e-3, intra_node_name="loopback")
 """gloo over the host loopback between processes of one machine: 1 GB/s and 1 ms per exchange
 (ASSUMPTION, not measured; the main job's payloads are under 1 MB, so latency dominates)."""
 

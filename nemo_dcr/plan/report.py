@@ -21,7 +21,7 @@ def assumptions(plan: Plan) -> list[str]:
     out.append(f"densities: {plan.fig.density_source}")
     out.append("bytes per changed element: nearest measured density per layer type from "
                f"{plan.fig.codec.source}; types without their own figure use: experts/shared_experts/router -> mlp")
-    out.append(f"machines: {s.hardware.name}; links: NVLink {s.links.nvlink_gbps:g} Gbit/s/GPU, IB "
+    out.append(f"machines: {s.hardware.name}; links: {s.links.intra_node_name} {s.links.nvlink_gbps:g} Gbit/s/rank, IB "
                f"{s.links.ib_gbps:g} Gbit/s/node" + (f", cross-cluster {s.links.cross_cluster_gbps:g} Gbit/s/node"
                                                      if s.links.cross_cluster_gbps else "")
                + (f", object store {s.links.object_store_gbps:g} Gbit/s" if s.links.object_store_gbps else ""))
@@ -52,6 +52,7 @@ def to_json(plan: Plan, extra: dict | None = None) -> dict:
         "kernels": {"cpu": plan.fig.cpu.to_dict(), "gpu": plan.fig.gpu.to_dict(),
                     "codec_device": s.hardware.codec_device},
         "assumptions": assumptions(plan), "plan_seconds": plan.build_seconds,
+        "plan_cpu_seconds": plan.build_cpu_seconds,
         **(extra or {}),
         "ranks": [c.row() for c in plan.trainers + plan.engines],
     }
@@ -64,16 +65,23 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def _short(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
 def _busiest(costs: list[RankCost], phases: tuple[str, ...], n: int) -> list[RankCost]:
     return sorted(costs, key=lambda c: -sum(c.seconds[p] for p in phases))[:n]
 
 
-def _rank_line(c: RankCost, phases: tuple[str, ...]) -> str:
+def _rank_line(c: RankCost) -> str:
     s = c.share
-    secs = " ".join(f"{p} {c.seconds[p]:.3g}s" for p in phases)
+    secs = " ".join(f"{p} {v:.3g}s" for p, v in c.seconds.items())
     mem = " ".join(f"{k} {_fmt_bytes(v)}" for k, v in c.memory.items())
-    return (f"  {s.side:<7} {s.rank:>5} node {s.node:>4}  scan {s.scanned:>14,}  changes {c.changes:>13,.0f}  "
-            f"owned {c.owned_elements:>14,}  payload {_fmt_bytes(c.payload_bytes):>9}  {secs}  [{mem}]")
+    if s.side == "engine":
+        return (f"  engine  {s.rank:>5} node {s.node:>4}  held {s.scanned:>14,}  changes {c.changes:>13,.0f}  "
+                f"received {_fmt_bytes(c.payload_bytes):>9}  {secs}  [{mem}]")
+    return (f"  trainer {s.rank:>5} node {s.node:>4}  scan {s.scanned:>14,}  changes {c.changes:>13,.0f}  "
+            f"owned {c.owned_elements:>14,}  sent {_fmt_bytes(c.payload_bytes):>9}  {secs}  [{mem}]")
 
 
 def table(plan: Plan, rows: int = 6, extra: dict | None = None) -> str:
@@ -91,14 +99,18 @@ def table(plan: Plan, rows: int = 6, extra: dict | None = None) -> str:
              "critical path:"]
     lines += [f"  {p.name:<20} {p.seconds:>9.3f} s  {p.rank:<14} {p.bound}" for p in plan.path]
     lines.append(f"busiest trainer ranks (of {len(plan.trainers)}):")
-    lines += [_rank_line(c, TRAINER_PHASES) for c in _busiest(plan.trainers, TRAINER_PHASES, rows)]
+    lines += [_rank_line(c) for c in _busiest(plan.trainers, TRAINER_PHASES, rows)]
     lines.append(f"busiest engine ranks (of {len(plan.engines)}):")
-    lines += [_rank_line(c, ENGINE_PHASES) for c in _busiest(plan.engines, ENGINE_PHASES, rows)]
+    lines += [_rank_line(c) for c in _busiest(plan.engines, ENGINE_PHASES, rows)]
     for key, value in (extra or {}).items():
-        lines.append(f"{key}: {value}")
+        if isinstance(value, dict):
+            lines.append(f"{key.replace('_', ' ')}:")
+            lines += [f"  {k}: {_short(v)}" for k, v in value.items()]
+        else:
+            lines.append(f"{key.replace('_', ' ')}: {value}")
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in assumptions(plan)]
-    lines.append(f"planned in {plan.build_seconds:.2f} s")
+    lines.append(f"planned in {plan.build_seconds:.2f} s wall, {plan.build_cpu_seconds:.2f} s CPU")
     return "\n".join(lines)
 
 
