@@ -57,25 +57,9 @@ def register(subparsers) -> None:
 
 
 def _figures(args):
-    from nemo_dcr.plan import figures as F
-    from nemo_dcr.plan.cost import Figures
+    from nemo_dcr.plan.figures import default_figures
 
-    cpu = F.cpu_kernels(args.cpu_figures or F.CPU_FIGURES)
-    gpu = F.Kernels.from_dict(F.read_json(args.gpu_figures, "GPU figures")["kernels"], args.gpu_figures) \
-        if args.gpu_figures else F.GPU_ASSUMPTIONS
-    codec = F.codec_table(args.codec_points or F.CODEC_POINTS)
-    if args.density is not None and args.densities:
-        raise ValueError("give --density or --densities, not both")
-    if args.density is not None:
-        if not 0 < args.density <= 1:
-            raise ValueError(f"--density {args.density}: must be in (0, 1]")
-        dens, source = {k: args.density for k in ("attention", "embeddings", "mlp", "norms")}, \
-            f"{args.density:.3%} for every layer type (--density)"
-    elif args.densities:
-        dens, source = F.densities_from_file(args.densities)
-    else:
-        dens, source = codec.default_densities()
-    return Figures(cpu, gpu, codec, dens, source)
+    return default_figures(args.density, args.densities, args.cpu_figures, args.gpu_figures, args.codec_points)
 
 
 def _model(spec: str):

@@ -19,7 +19,8 @@ import math
 
 import numpy as np
 
-from .cost import ELEMENT_BYTES, Figures, RankCost, TensorCosts, send_transfer
+from .cost import ELEMENT_BYTES, RankCost, TensorCosts, send_transfer
+from .figures import Figures
 from .inputs import PlanSetup
 from .links import GBIT
 from .work import TensorTable

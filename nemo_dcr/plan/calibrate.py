@@ -10,8 +10,8 @@ with undo log and read-back (:class:`nemo_dcr.apply.transaction.UndoLog`).  Data
 Encode and decode cost a pass over each tensor plus work per change, so both are timed at two
 densities of the same tensors (the real change set and every 8th change of it) and the two
 rates solved from the pair.  Each timing is the best of a few repeats, in CPU time of the
-calling thread (the machine may be shared).  The result is written where plans read it (``figures/cpu.json``), so a faster codec
-reaches every plan by rerunning this.
+calling thread (the machine may be shared).  The result is written where plans read it
+(``figures/cpu.json``), so a faster codec reaches every plan by rerunning this.
 """
 
 from __future__ import annotations

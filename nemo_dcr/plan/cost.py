@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .figures import CodecTable, Kernels, density_of
+from .figures import Figures, Kernels, density_of
 from .inputs import PlanSetup
 from .links import GBIT, Transfer, transfer
 from .work import RankShare, TensorTable
@@ -34,17 +34,6 @@ ROUTE_BYTES = 12
 """Bytes of one routed change: int64 position, new and old bf16 bits (``refit.routing.pack``)."""
 UNDO_BYTES = 10
 """Bytes of one undo-log entry on the engine: int64 position and the old bits."""
-
-
-@dataclass(frozen=True)
-class Figures:
-    """Measured and assumed inputs of a plan."""
-
-    cpu: Kernels
-    gpu: Kernels
-    codec: CodecTable
-    densities: dict[str, float]
-    density_source: str
 
 
 @dataclass

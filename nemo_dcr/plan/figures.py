@@ -200,3 +200,42 @@ def density_of(densities: Mapping[str, float], layer_type: str) -> float:
         raise FiguresError(f"densities: no figure for {layer_type!r} nor its stand-in {kind!r}; "
                            f"have {sorted(densities)}")
     return densities[kind]
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Measured and assumed inputs of a plan."""
+
+    cpu: Kernels
+    gpu: Kernels
+    codec: CodecTable
+    densities: dict[str, float]
+    density_source: str
+
+
+def default_figures(density: float | None = None, densities: str | Path | None = None,
+                    cpu: str | Path | None = None, gpu: str | Path | None = None,
+                    codec: str | Path | None = None) -> Figures:
+    """The figures of a plan: committed calibration and codec points unless files are given.
+
+    Args:
+        density: changed fraction of every layer type.
+        densities: a ``nemo-dcr diff --json`` output or a run's telemetry (per layer type).
+        cpu / gpu / codec: figures files (GPU default: :data:`GPU_ASSUMPTIONS`).
+
+    Without ``density`` and ``densities``, the densities of the table's default measured step.
+    """
+    if density is not None and densities is not None:
+        raise FiguresError("give a density or a densities file, not both")
+    table = codec_table(codec or CODEC_POINTS)
+    if density is not None:
+        if not 0 < density <= 1:
+            raise FiguresError(f"--density {density}: must be in (0, 1]")
+        dens = {k: density for k in ("attention", "embeddings", "mlp", "norms")}
+        source = f"{density:.3%} for every layer type (--density)"
+    elif densities is not None:
+        dens, source = densities_from_file(densities)
+    else:
+        dens, source = table.default_densities()
+    gpu_k = Kernels.from_dict(read_json(gpu, "GPU figures").get("kernels", {}), str(gpu)) if gpu else GPU_ASSUMPTIONS
+    return Figures(cpu_kernels(cpu or CPU_FIGURES), gpu_k, table, dens, source)

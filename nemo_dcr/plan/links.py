@@ -68,7 +68,8 @@ def transfer(out_bytes: np.ndarray, out_nodes: np.ndarray, in_bytes: np.ndarray,
     nv = links.nvlink_gbps * GBIT
     if local_share > 0:
         busiest = max(out_bytes.max(initial=0.0), in_bytes.max(initial=0.0)) * local_share
-        cands[f"intra-node {names[0]}->{names[1]}, {links.intra_node_name} {nv / GBIT:g} Gbit/s per rank"] = busiest / nv
+        name = f"intra-node {names[0]}->{names[1]}, {links.intra_node_name} {nv / GBIT:g} Gbit/s per rank"
+        cands[name] = busiest / nv
         lat = lat if remote > 0 else links.nvlink_latency_s
     intra = [k for k in cands if k.startswith("intra-node")]
     tiers = {"nvlink": max([cands[k] for k in intra], default=0.0),

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from nemo_dcr.layout import MegatronSpec, model_dims
 
-from .cost import Figures
-from .figures import FiguresError, densities_from_file, read_json
+from .figures import Figures, FiguresError, densities_from_file, read_json
 from .inputs import EngineLayout, TrainerLayout
 from .planner import Plan, make_plan
 from .presets import preset_for

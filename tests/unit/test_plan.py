@@ -18,7 +18,6 @@ from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.layout import (HF_CONFIGS, LayoutError, MegatronSpec, canonical_shapes, dims_from_hf_config,
                              model_dims)
 from nemo_dcr.plan import figures as F
-from nemo_dcr.plan.cost import Figures
 from nemo_dcr.plan.inputs import EngineLayout, Hardware, PlanSetup, TrainerLayout
 from nemo_dcr.plan.planner import make_plan, rank_shares
 from nemo_dcr.plan.presets import CPU_HOST, LOOPBACK
@@ -34,10 +33,8 @@ LAYOUTS = [
 ]
 
 
-def _fig(density: float) -> Figures:
-    codec = F.codec_table()
-    return Figures(F.cpu_kernels(), F.GPU_ASSUMPTIONS, codec, {k: density for k in ("attention", "embeddings",
-                   "mlp", "norms")}, "test")
+def _fig(density: float) -> F.Figures:
+    return F.default_figures(density=density)
 
 
 def _by_type(model: str) -> dict[str, int]:
@@ -185,6 +182,8 @@ def test_cli_refuses_bad_layouts_and_densities_naming_them():
     assert rc == 2 and "tp" in err
     rc, _, err = _cli("--model", "smollm2", "--density", "1.5")
     assert rc == 2 and "--density" in err
+    rc, _, err = _cli("--model", "smollm2", "--density", "0.1", "--densities", "x.json")
+    assert rc == 2 and "not both" in err
     rc, _, err = _cli("--model", "nope")
     assert rc == 2 and "kimi-k2" in err
 
