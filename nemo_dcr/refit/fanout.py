@@ -29,7 +29,7 @@ class Fanout:
     """Per-engine-rank encoding for the tensors this trainer rank owns.
 
     Args:
-        routes: engine rank -> its placement (canonical name -> held elements).
+        routes: route key (``(engine rank, shard)``) -> its placement (canonical name -> held elements).
         mirror: this trainer rank's sender mirror (canonical index space).
     """
 

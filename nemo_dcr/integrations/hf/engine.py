@@ -77,6 +77,10 @@ class HFEngine:
         """Full resync in place (transactional)."""
         return self.engine.resync(parts)
 
+    def serving(self):
+        """Hold the current version for one generation (a context manager yielding it)."""
+        return self.engine.serving()
+
     def checksums(self, full: bool = False) -> dict[str, int]:
         """Per-tensor checksums (incremental, or a full scan)."""
         return self.engine.checksums(full)
