@@ -18,13 +18,9 @@ from nemo_dcr.types import int_view
 def write_initial_weights(init_dir: Path) -> Path:
     """The embedded model as an HF folder (fp32 safetensors, config, tokenizer) under ``init_dir``:
     what the trainer ranks and the engine load; removed by :func:`remove_initial_weights`."""
-    from nemo_dcr.integrations.hf.model import load_embedded_model, load_embedded_tokenizer
+    from nemo_dcr.integrations.hf.model import save_embedded_hf
 
-    hf_dir = init_dir / "hf"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    load_embedded_model(torch.float32).save_pretrained(hf_dir)
-    load_embedded_tokenizer().save_pretrained(hf_dir)
-    return hf_dir
+    return save_embedded_hf(init_dir / "hf")
 
 
 def remove_initial_weights(init_dir: Path) -> None:

@@ -141,6 +141,8 @@ class RefitSender:
         self.mirror.reset(self.mirror.current(names), version)
         if self._fanout is not None:
             self._fanout.reset()
+        if self.cfg.encoding == "dcr":  # after a (re)sync: the next refit's encode follows its changes
+            self.mirror.build_indexes()
 
     def _route(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
         """Send each canonical piece to its owner; merge what this rank owns (refusing overlaps)."""

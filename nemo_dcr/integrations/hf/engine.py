@@ -43,6 +43,7 @@ class HFEngine:
         if bad:
             raise ValueError(f"parameters must be contiguous for in-place apply: {bad[:5]}")
         self.engine = TensorEngine(tensors, version, key)
+        self.engine.build_indexes()  # the first refit then decodes in proportion to its changes
 
     @classmethod
     def from_config(cls, config, seed: int = 0, **kwargs) -> "HFEngine":
