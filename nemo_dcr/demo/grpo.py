@@ -74,6 +74,9 @@ def train_step(trainer, refit: DeltaRefit, handle, starter: int):
     batch = box[0]
     loss = policy_gradient_backward(trainer.chunks[0], batch.tokens, batch.weights, trainer.dims.hidden_size)
     trainer.optimizer.step()
+    # Pipeline stages finish their step at different times: the refit (and the dense refit timed
+    # after it) start together, so the refit's phase times measure the refit, not the stage skew.
+    dist.barrier()
     report = refit.step()
     return batch, _gather_loss(loss), report
 
