@@ -6,8 +6,8 @@ Example::
     nemo-dcr demo --config configs/grpo_smollm2_cpu.yaml dcr.encoding=reference
 
 Launches ``tp * pp`` gloo ranks with torchrun on this machine (OMP_NUM_THREADS=1 each): the
-megatron-core trainer (fp32 master AdamW), the transformers engine producing sampled
-rollouts, a delta refit after every step checked bitwise against an independent dense export,
+megatron-core trainer (fp32 master AdamW), the engine producing sampled rollouts (vLLM in
+a process of its own by default; ``engine.kind=hf engine.placement=colocated`` for transformers), a delta refit after every step checked bitwise against an independent dense export,
 and a dense refit timed in the same run.  Prints one line per step and the summary.
 """
 
@@ -28,7 +28,7 @@ WORKER = "nemo_dcr.demo.grpo"
 def register(subparsers) -> None:
     """Add the ``demo`` parser."""
     p = subparsers.add_parser(
-        "demo", help="GRPO on CPU (megatron TP3/PP2 trainer, HF engine) with a delta refit per step",
+        "demo", help="GRPO on CPU (megatron TP3/PP2 trainer, vLLM engine by default) with a delta refit per step",
         description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: config run.steps)")
     p.add_argument("--summary-json", default=None, help="write the summary JSON here")

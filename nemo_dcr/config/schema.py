@@ -217,3 +217,7 @@ class RecipeConfig:
         if self.engine.rank >= world:
             raise ConfigError("engine.rank", f"must be < trainer world size {world}, "
                               f"got {self.engine.rank}")
+        if self.engine.placement == "separate" and self.dcr.transport != "gloo":
+            raise ConfigError("dcr.transport", f"a separate engine is reached over a gloo group of the trainer "
+                              f"ranks and the engine process: use gloo (got {self.dcr.transport!r}), or "
+                              f"engine.placement=colocated for the other transports")

@@ -40,6 +40,7 @@ def test_overrides_win_and_parse_yaml_values():
     ("dcr.verify_interval=-1", "dcr.verify_interval", ">= 0"),
     ("task.group_size=1", "task.group_size", ">= 2"),
     ("engine.rank=6", "engine.rank", "world size"),
+    ("dcr.transport=inprocess", "dcr.transport", "separate engine is reached over a gloo group"),
     ("trainer.ep=2", "trainer.ep", "dense model"),
     ("nosuch.key=1", "nosuch", "unknown key"),
 ])
