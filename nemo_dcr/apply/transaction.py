@@ -207,7 +207,7 @@ def _verify_sparse(tensors, deltas: Sequence[SparseDelta], checksums, new_ck) ->
 def _zero_base(tensors: Mapping[str, Live], parts: Sequence[bytes], key) -> dict[str, torch.Tensor]:
     base = {}
     for p in parts:
-        for r in inspect(p, key).records:
+        for r in inspect(p, key, receiver=tensors).records:
             t = tensors.get(r.name)
             if t is None:
                 raise MissingTensorError(f"receiver has no such tensor ({len(tensors)} tensors)", r.name)

@@ -8,7 +8,8 @@ Usage::
 """
 
 from .errors import DeltaFormatError
+from .header import header_limit
 from .payload import DecodedPayload, Identity, apply, decode, diff_tensors, encode, encode_deltas, inspect
 
 __all__ = ["DeltaFormatError", "DecodedPayload", "Identity", "apply", "decode", "diff_tensors", "encode",
-           "encode_deltas", "inspect"]
+           "encode_deltas", "header_limit", "inspect"]

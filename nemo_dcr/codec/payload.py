@@ -29,11 +29,15 @@ from .errors import (
     TrailingBytesError,
     TruncatedPayloadError,
 )
+from .auth import MIN_KEY_BYTES
 from .header import (
     FLAG_AUTH,
+    MAX_HEADER_BYTES,
     PREAMBLE,
     PayloadHeader,
     RecordInfo,
+    check_identity,
+    header_limit,
     pack_preamble_and_header,
     parse_header,
     read_preamble,
@@ -41,7 +45,6 @@ from .header import (
 from .records import decode_record, encode_record
 
 MAC_BYTES = 32
-MIN_KEY_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ def encode_deltas(
         base_checksums: known checksums of the base tensors (computed when missing).
     """
     _check_key(key)
+    check_identity(identity.model, identity.run)
     infos, bodies = [], []
     for d in deltas:
         spec, bits = spec_of(d.dtype), base[d.name]
@@ -142,11 +146,13 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     return encode_deltas(deltas, bits, identity, encoding, key)
 
 
-def _split(payload, key: bytes | None) -> tuple[PayloadHeader, list[memoryview]]:
-    """Preamble, MAC, header and record bodies (rules 1-8, 11); needs no base."""
+def _split(payload, key: bytes | None, receiver: Mapping | None = None) -> tuple[PayloadHeader, list[memoryview]]:
+    """Preamble, MAC, header and record bodies (rules 1-8, 11); the header is bounded by what
+    ``receiver`` holds (rule 3) when given, and authenticated before it is parsed (rule 5)."""
     _check_key(key)
     payload = memoryview(payload)
-    flags, h_len, h_raw = read_preamble(payload)
+    limit = MAX_HEADER_BYTES if receiver is None else header_limit(receiver)
+    flags, h_len, h_raw = read_preamble(payload, limit, "" if receiver is None else f"{len(receiver)} tensors")
     authenticated = bool(flags & FLAG_AUTH)
     if authenticated != (key is not None):
         raise AuthenticationError("payload is authenticated but no key was given" if authenticated
@@ -173,9 +179,15 @@ def _split(payload, key: bytes | None) -> tuple[PayloadHeader, list[memoryview]]
     return header, bodies
 
 
-def inspect(payload, key: bytes | None = None) -> PayloadHeader:
-    """Structurally validated header of a payload (no base needed)."""
-    return _split(payload, key)[0]
+def inspect(payload, key: bytes | None = None, receiver: Mapping | None = None) -> PayloadHeader:
+    """Structurally validated header of a payload (no base needed).
+
+    Args:
+        payload: the payload.
+        key: HMAC key (the MAC is checked before the header is parsed).
+        receiver: names of the tensors the receiver holds (a mapping): bounds the header (rule 3).
+    """
+    return _split(payload, key, receiver)[0]
 
 
 def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: Mapping[str, int] | None):
@@ -201,7 +213,7 @@ def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: M
 def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
            base_checksums: Mapping[str, int] | None = None) -> DecodedPayload:
     """Validate a payload against the receiver's tensors and decode it; writes nothing."""
-    header, bodies = _split(payload, key)
+    header, bodies = _split(payload, key, base)
     deltas = []
     for r, body in zip(header.records, bodies):
         spec, bits, have = _check_against(r, base, base_checksums)
