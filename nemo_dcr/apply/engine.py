@@ -16,7 +16,8 @@ from nemo_dcr.verify.checksum import tensor_checksum
 
 from .guard import VersionGuard
 from .shard_view import ShardView
-from .transaction import ApplyResult, FaultHook, apply_parts, resync_parts
+from .transaction import ApplyResult, FaultHook, UndoSettings, apply_parts, resync_parts
+from .undo import UNDO_MEMORY_BYTES
 
 
 def full_checksums(tensors: Mapping[str, "torch.Tensor | ShardView"]) -> dict[str, int]:
@@ -35,11 +36,16 @@ class TensorEngine:
         tensors: canonical name -> live tensor (contiguous; written in place).
         version: the version these tensors hold.
         key: HMAC key every payload must carry (None: unauthenticated payloads).
+        undo_limit_bytes: old bits a transaction's undo log holds in memory at most; the rest is
+            spilled to a temporary file (:mod:`nemo_dcr.apply.undo`).
+        spill_dir: folder of that file (default: the system's temporary folder).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = 0, key: bytes | None = None):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = 0, key: bytes | None = None,
+                 undo_limit_bytes: int = UNDO_MEMORY_BYTES, spill_dir: str | None = None):
         self.tensors = dict(tensors)
         self.key = key
+        self.undo = UndoSettings(undo_limit_bytes, spill_dir)
         self.guard = VersionGuard(version)
         self._checksums = full_checksums(self.tensors)
         self.fault: FaultHook | None = None
@@ -52,14 +58,15 @@ class TensorEngine:
     def apply(self, parts: Sequence[bytes]) -> ApplyResult:
         """Apply one version's parts as a transaction (see :func:`apply_parts`)."""
         with self.guard.write():
-            result = apply_parts(self.tensors, parts, self.version, self._checksums, self.key, self.fault)
+            result = apply_parts(self.tensors, parts, self.version, self._checksums, self.key, self.fault,
+                                 self.undo)
             self._commit(result)
         return result
 
     def resync(self, parts: Sequence[bytes]) -> ApplyResult:
         """Overwrite the named tensors from a full resync (see :func:`resync_parts`)."""
         with self.guard.write():
-            result = resync_parts(self.tensors, parts, self.version, self.key, self.fault)
+            result = resync_parts(self.tensors, parts, self.version, self.key, self.fault, self.undo)
             self._commit(result)
         return result
 

@@ -17,7 +17,7 @@ Phases (docs/refit.md, "Transactions"):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
@@ -25,12 +25,12 @@ import torch
 
 from nemo_dcr.codec import decode, inspect
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
-from nemo_dcr.kernels import read_bits, write_bits
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
 
 from .errors import ApplyVerificationError, IncompletePartsError, VersionMismatchError
 from .shard_view import ShardView
+from .undo import UNDO_MEMORY_BYTES, UndoLog
 
 RESYNC_BASE_VERSION = 0
 """Base version of every resync payload: it is encoded against all-zero tensors."""
@@ -77,7 +77,8 @@ class ApplyResult:
         touched: tensor name -> elements written (only tensors with changes).
         checksums: tensor name -> checksum after the apply, for every tensor in the payload.
         resync: the transaction was a full resync.
-        undo_bytes: size the undo log reached.
+        undo_bytes: old bits the undo log held in memory (at most its bound).
+        undo_spilled_bytes: old bits the undo log spilled to its temporary file.
         deltas: the changes written (record index space; old and new bits), for callers that keep
             further sums (a routed engine's canonical checksums); empty for a resync.
     """
@@ -89,38 +90,7 @@ class ApplyResult:
     resync: bool = False
     undo_bytes: int = 0
     deltas: tuple[SparseDelta, ...] = ()
-
-
-@dataclass
-class UndoLog:
-    """Old bits of every element a transaction wrote; nnz-sized (whole tensors for a resync)."""
-
-    _entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
-
-    def scatter(self, view: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
-        """``view[pos] = new`` after saving ``view[pos]``."""
-        self._entries.append((view, pos, read_bits(view, pos)))
-        write_bits(view, pos, new)
-
-    def overwrite(self, view: torch.Tensor, new: torch.Tensor) -> None:
-        """``view[:] = new`` after saving the whole tensor."""
-        self._entries.append((view, None, view.clone()))
-        view.copy_(new)
-
-    def rollback(self) -> None:
-        """Restore every saved element, newest first."""
-        for view, pos, old in reversed(self._entries):
-            if pos is None:
-                view.copy_(old)
-            else:
-                write_bits(view, pos, old)
-        self._entries.clear()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held (old bits plus positions)."""
-        return sum(old.numel() * old.element_size() + (0 if pos is None else pos.numel() * 8)
-                   for _, pos, old in self._entries)
+    undo_spilled_bytes: int = 0
 
 
 def _readback(view: torch.Tensor, pos: torch.Tensor, dtype: str) -> np.ndarray:
@@ -142,19 +112,30 @@ def _check_versions(headers, version: int, resync: bool) -> int:
     return target
 
 
-def _transact(writes: Callable[[UndoLog], dict[str, int]]) -> tuple[dict[str, int], int]:
-    undo = UndoLog()
+@dataclass(frozen=True)
+class UndoSettings:
+    """Bound of the undo log's memory and the folder it spills to (see :mod:`nemo_dcr.apply.undo`)."""
+
+    limit_bytes: int = UNDO_MEMORY_BYTES
+    spill_dir: str | None = None
+
+
+def _transact(writes: Callable[[UndoLog], dict[str, int]],
+              settings: UndoSettings) -> tuple[dict[str, int], tuple[int, int]]:
+    undo = UndoLog(settings.limit_bytes, settings.spill_dir)
     try:
         touched = writes(undo)
-        return touched, undo.nbytes
     except BaseException:
         undo.rollback()
         raise
+    peak = (undo.nbytes, undo.spilled_bytes)
+    undo.close()
+    return touched, peak
 
 
 def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                 checksums: Mapping[str, int], key: bytes | None = None,
-                fault: FaultHook | None = None) -> ApplyResult:
+                fault: FaultHook | None = None, undo: UndoSettings = UndoSettings()) -> ApplyResult:
     """Apply all parts of one version as one transaction (see the module docstring).
 
     Args:
@@ -164,6 +145,7 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
         checksums: the engine's current checksum of each tensor.
         key: HMAC key the payloads must carry.
         fault: hook called after each tensor written (fault injection).
+        undo: the undo log's memory bound and spill folder.
 
     Raises:
         DeltaFormatError, VersionMismatchError, IncompletePartsError: refused, nothing written.
@@ -188,8 +170,8 @@ def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ver
         _verify_sparse(tensors, deltas, checksums, new_ck)
         return touched
 
-    touched, nbytes = _transact(writes)
-    return ApplyResult(version, target, touched, new_ck, False, nbytes, tuple(deltas))
+    touched, (held, spilled) = _transact(writes, undo)
+    return ApplyResult(version, target, touched, new_ck, False, held, tuple(deltas), spilled)
 
 
 def _verify_sparse(tensors, deltas: Sequence[SparseDelta], checksums, new_ck) -> None:
@@ -218,11 +200,13 @@ def _zero_base(tensors: Mapping[str, Live], parts: Sequence[bytes], key) -> dict
 
 
 def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
-                 key: bytes | None = None, fault: FaultHook | None = None) -> ApplyResult:
+                 key: bytes | None = None, fault: FaultHook | None = None,
+                 undo: UndoSettings = UndoSettings()) -> ApplyResult:
     """Full resync: payloads encoded against all-zero tensors overwrite the named tensors.
 
     The target version must be newer than ``version``; tensors not in the payload keep their
-    bits.  The undo log holds whole tensors (a resync is a 100%-density delta).
+    bits.  The undo log saves whole tensors (a resync is a 100%-density delta), spilling beyond
+    ``undo.limit_bytes``.
     """
     zeros = _zero_base(tensors, parts, key)
     decoded = [decode(p, zeros, key) for p in parts]
@@ -248,9 +232,9 @@ def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], ve
                                              f"payload target {records[d.name].target_checksum}")
         return touched
 
-    touched, nbytes = _transact(writes)
+    touched, (held, spilled) = _transact(writes, undo)
     new_ck = {n: int(r.target_checksum, 16) for n, r in records.items()}
-    return ApplyResult(version, target, touched, new_ck, True, nbytes)
+    return ApplyResult(version, target, touched, new_ck, True, held, (), spilled)
 
 
 def _overwrite(undo: UndoLog, t: Live, full: torch.Tensor) -> None:

@@ -190,6 +190,11 @@ def inspect(payload, key: bytes | None = None, receiver: Mapping | None = None) 
     return _split(payload, key, receiver)[0]
 
 
+def _count_equal(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 20) -> int:
+    """Elements where ``a == b``, in chunks (no array-sized temporary)."""
+    return sum(int(np.count_nonzero(a[s : s + chunk] == b[s : s + chunk])) for s in range(0, a.size, chunk))
+
+
 def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: Mapping[str, int] | None):
     if r.name not in base:
         raise MissingTensorError(f"receiver has no such tensor (it has {len(base)} tensors)", r.name)
@@ -219,9 +224,9 @@ def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
         spec, bits, have = _check_against(r, base, base_checksums)
         pos, new = decode_record(r, body, bits, spec)
         old = bits[pos]
-        if pos.size != r.changed or (old == new).any():
-            raise MalformedRecordError(f"decoded {pos.size} changes ({int((old == new).sum())} no-ops), "
-                                       f"header says {r.changed}", r.name)
+        noops = _count_equal(old, new)
+        if pos.size != r.changed or noops:
+            raise MalformedRecordError(f"decoded {pos.size} changes ({noops} no-ops), header says {r.changed}", r.name)
         if updated_checksum(have, pos, old, new) != int(r.target_checksum, 16):
             raise TargetChecksumMismatchError("decoded tensor would not match the target checksum", r.name)
         deltas.append(SparseDelta(r.name, r.dtype, r.shape, pos, new, old))
