@@ -1,7 +1,7 @@
 """Peak memory of decode, apply and header parsing on worst-case payloads, per changed element.
 
 Usage:
-    python benchmarks/memory.py [--numel N] [--only KIND,...] [--json OUT]
+    python benchmarks/memory.py [--numel N] [--only KIND,...] [--undo-limit-mb M] [--json OUT]
 
 Worst case: every element of an embedding-sized bf16 tensor (default 49152 x 576 = 28.3M
 elements, SmolLM2's) moves one ULP away from zero, the change that codes smallest (a few hundred
@@ -13,6 +13,8 @@ Steps (``--only``):
   decode-reference, decode-dcr  ``codec.decode`` against the base (output held: positions and bits)
   apply-reference               ``TensorEngine.apply`` (decode + undo log + write + verify)
   resync-reference              ``TensorEngine.resync`` of the whole tensor (undo log of a resync)
+                                (the engines hold at most ``--undo-limit-mb`` of old bits, default
+                                256, and spill the rest to a temporary file)
   header                        ``codec.inspect`` of a small unauthenticated payload whose header
                                 decompresses to the 64 MiB limit, and ``codec.decode`` of it
                                 against a receiver (bounded by what the receiver holds)
@@ -107,7 +109,7 @@ def prepare(workdir: Path, numel: int, kinds) -> dict:
     return facts
 
 
-def child(kind: str, workdir: Path) -> dict:
+def child(kind: str, workdir: Path, undo_limit: int) -> dict:
     """One step in this (fresh) process; prints nothing, returns its figures."""
     from nemo_dcr import codec
     from nemo_dcr.apply import TensorEngine
@@ -130,16 +132,17 @@ def child(kind: str, workdir: Path) -> dict:
         fn = lambda: codec.decode(payload, {"e": base}, base_checksums=ck)  # noqa: E731
     elif kind.startswith("apply"):
         payload = (workdir / f"{enc}.ndcr").read_bytes()
-        engine = TensorEngine({"e": base})
+        engine = TensorEngine({"e": base}, undo_limit_bytes=undo_limit)
         fn = lambda: engine.apply([payload])  # noqa: E731
     else:
         payload = (workdir / "resync.ndcr").read_bytes()
-        engine = TensorEngine({"e": base})
+        engine = TensorEngine({"e": base}, undo_limit_bytes=undo_limit)
         fn = lambda: engine.resync([payload])  # noqa: E731
     extra, seconds, result = measure(fn)
     figures = {"peak_extra_bytes": extra, "seconds": seconds}
     if hasattr(result, "undo_bytes"):
         figures["undo_bytes_in_memory"] = result.undo_bytes
+        figures["undo_bytes_spilled"] = result.undo_spilled_bytes
     return figures
 
 
@@ -154,10 +157,11 @@ def _refusal(fn) -> str | None:
     return None
 
 
-def run_child(kind: str, workdir: Path) -> dict:
+def run_child(kind: str, workdir: Path, undo_limit: int) -> dict:
     """Run :func:`child` in a fresh interpreter (its own peak-RSS mark)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--dir", str(workdir)],
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--dir", str(workdir),
+                           "--undo-limit", str(undo_limit)],
                           capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
@@ -168,12 +172,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--numel", type=int, default=EMBEDDING)
     p.add_argument("--only", default=",".join(KINDS), help=f"comma-separated subset of {', '.join(KINDS)}")
+    p.add_argument("--undo-limit-mb", type=float, default=256, help="engines' undo log memory bound (MiB)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--undo-limit", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, Path(args.dir))))
+        print(json.dumps(child(args.child, Path(args.dir), args.undo_limit)))
         return 0
     kinds = [k for k in args.only.split(",") if k]
     unknown = set(kinds) - set(KINDS)
@@ -184,7 +190,7 @@ def main(argv=None) -> int:
         print(json.dumps(facts), flush=True)
         results = {"facts": facts}
         for kind in kinds:
-            r = run_child(kind, Path(tmp))
+            r = run_child(kind, Path(tmp), int(args.undo_limit_mb * (1 << 20)))
             if "peak_extra_bytes" in r:
                 r["bytes_per_changed"] = round(r["peak_extra_bytes"] / facts["changed"], 2)
             results[kind] = r
