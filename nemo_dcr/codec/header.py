@@ -40,7 +40,7 @@ writes for those tensors fits; parsing cost is then proportional to what the rec
 FORMAT_NAME = "nemo_dcr.delta"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RecordInfo:
     """Header entry of one record (section 3)."""
 
@@ -131,9 +131,12 @@ def parse_header(comp, raw_len: int) -> PayloadHeader:
     """Decompress and validate the header JSON (rules 3, 6-8)."""
     raw = decompress_exact(comp, raw_len, _header_error, "header")
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        del raw  # peak memory: the text or the bytes, not both, next to the parsed objects
+        obj = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise MalformedHeaderError(f"header is not UTF-8 JSON within limits: {str(exc)[:200]}") from None
+    del text
     return _header_from_json(obj)
 
 
@@ -172,7 +175,11 @@ def _header_from_json(obj) -> PayloadHeader:
         raise MalformedHeaderError(f"versions {obj['base_version']} -> {obj['target_version']} must increase from >= 0")
     if len(obj["records"]) > MAX_RECORDS:
         raise LimitExceededError(f"{len(obj['records'])} records exceed the limit of {MAX_RECORDS}")
-    records = tuple(_record_from_json(r, i) for i, r in enumerate(obj["records"]))
+    raw_records, records = obj["records"], []
+    for i in range(len(raw_records)):  # each JSON object is dropped once converted: never both whole
+        records.append(_record_from_json(raw_records[i], i))
+        raw_records[i] = None
+    records = tuple(records)
     names = [r.name for r in records]
     if len(set(names)) != len(names):
         raise MalformedHeaderError("record names are not unique")

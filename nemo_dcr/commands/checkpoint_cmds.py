@@ -185,7 +185,7 @@ def cmd_apply(args) -> int:
     out = Path(args.output).resolve()  # "a/b/.." is "a", as the filesystem sees it
     base = {n: t.clone() for n, t in _load(args.base).items()}
     floats, _ = _split(base)
-    header = codec.inspect(payload, key)
+    header = codec.inspect(payload, key, receiver=floats)  # a header BASE cannot justify is not parsed
     names = {r.name for r in header.records}
     if names != set(floats):
         raise codec.DeltaFormatError(f"delta covers {len(names)} tensors, base has {len(floats)}: "

@@ -137,3 +137,14 @@ def test_dcr_decode_memory_is_a_small_constant_per_changed_element():
     numel = 8_000_000
     r = _memory("decode-dcr", numel)
     assert r["decode-dcr"]["peak_extra_bytes"] <= DECODE_BYTES_PER_CHANGE * numel + SLACK, r
+
+
+def test_cli_apply_bounds_the_header_by_its_base(tmp_path, monkeypatch, capsys):
+    from nemo_dcr.checkpoint import save_checkpoint
+    from nemo_dcr.cli import main
+
+    save_checkpoint({"w": torch.zeros(4, dtype=torch.bfloat16)}, tmp_path / "base.safetensors")
+    (tmp_path / "d.ndcr").write_bytes(_tiny_same_records(20_000))
+    monkeypatch.setattr(hdr, "decompress_exact", lambda *a, **k: pytest.fail("decompressed"))
+    assert main(["apply", str(tmp_path / "base.safetensors"), str(tmp_path / "d.ndcr"), "-o", str(tmp_path / "o")]) == 2
+    assert "HeaderTooLargeError" in capsys.readouterr().err and not (tmp_path / "o").exists()
