@@ -17,6 +17,7 @@ import torch
 from ..kernels import write_bits
 from ..types import SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
+from .auth import MIN_KEY_BYTES
 from .errors import (
     AuthenticationError,
     BaseChecksumMismatchError,
@@ -29,7 +30,6 @@ from .errors import (
     TrailingBytesError,
     TruncatedPayloadError,
 )
-from .auth import MIN_KEY_BYTES
 from .header import (
     FLAG_AUTH,
     MAX_HEADER_BYTES,
