@@ -224,7 +224,7 @@ def run_header(data: bytes) -> str:
 RUN = "fuzz-run"
 URL = "memory://nemo-dcr-fuzz-envelope"
 FRAME = struct.Struct("<4sB16siiQ")  # the store frame (nemo_dcr/transport/store.py), read independently
-HEAD = struct.Struct("<4sBqiiBi")  # the envelope head (nemo_dcr/transport/base.py)
+HEAD = struct.Struct("<4sBqiiBii")  # the envelope head (nemo_dcr/transport/base.py)
 RUN_ID = hashlib.sha256(RUN.encode()).digest()[:16]
 
 
@@ -274,10 +274,10 @@ def _check_envelope(obj: bytes, env: Envelope) -> None:
         magic, version, run, sender, receiver, seq = FRAME.unpack_from(frame)
         ok = (magic, version, run, sender, receiver, seq) == (b"NDCS", 1, RUN_ID, 0, 1, 1)
     if ok:
-        m, kind, version, sender, part, last, receiver = HEAD.unpack_from(frame, FRAME.size)
-        ok = m == b"NDCE" and last in (0, 1) and (int(env.kind), env.version, env.sender, env.part, env.last,
-                                                  env.receiver, env.body) == (
-            kind, version, sender, part, bool(last), receiver, frame[FRAME.size + HEAD.size:])
+        m, kind, version, sender, part, last, receiver, shard = HEAD.unpack_from(frame, FRAME.size)
+        ok = m == b"NDCE" and last in (0, 1) and shard >= 0 and (
+            int(env.kind), env.version, env.sender, env.part, env.last, env.receiver, env.shard, env.body) == (
+            kind, version, sender, part, bool(last), receiver, shard, frame[FRAME.size + HEAD.size:])
     if not ok:
         raise SilentChange(f"delivered {env!r} from an object the frame layout does not accept")
 
