@@ -28,6 +28,9 @@ from nemo_dcr.codec.errors import HeaderTooLargeError, MalformedHeaderError
 ROOT = Path(__file__).resolve().parents[2]
 DECODE_BYTES_PER_CHANGE = 16
 """Bound of ``reference`` decode: output 12 B (int64 position, new and old bits) + transients."""
+DCR_DECODE_BYTES_PER_CHANGE = 28
+"""Bound of ``dcr`` decode: the output 12 B + the parse (int64 rank and value, int16 class and
+exponent reference per change) or the rebuild (int64 position and value, new and old bits)."""
 APPLY_BYTES_PER_CHANGE = 20
 """Bound of ``TensorEngine.apply``: decode + 2 B of undo log + a read-back for verification."""
 SLACK = 32 << 20
@@ -130,13 +133,10 @@ def test_reference_decode_and_apply_memory_is_a_small_constant_per_changed_eleme
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS from /proc")
-@pytest.mark.xfail(reason="the dcr decoder (nemo_dcr/codec/dcr) peaks at ~100 B per changed element on the "
-                          "worst case (benchmarks/memory.py); it is being rewritten with compiled kernels: "
-                          "turn this check on after that merge", strict=False)
 def test_dcr_decode_memory_is_a_small_constant_per_changed_element():
     numel = 8_000_000
     r = _memory("decode-dcr", numel)
-    assert r["decode-dcr"]["peak_extra_bytes"] <= DECODE_BYTES_PER_CHANGE * numel + SLACK, r
+    assert r["decode-dcr"]["peak_extra_bytes"] <= DCR_DECODE_BYTES_PER_CHANGE * numel + SLACK, r
 
 
 def test_cli_apply_bounds_the_header_by_its_base(tmp_path, monkeypatch, capsys):

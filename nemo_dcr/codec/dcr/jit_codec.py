@@ -11,7 +11,7 @@ from .class_index import DcrIndex, StaleIndexError
 from .decode import decode_dcr_np
 from .encode import encode_dcr_np
 from .groups import MIN_GROUP_CHANGES
-from .jit_decode import ERR, finish, onepass_hist, onepass_select, parse
+from .jit_decode import ERR, finish, onepass_hist, onepass_select, parse, position_order
 from .jit_encode import encode_kernel, onepass_ranks
 from .jit_index import select
 
@@ -84,9 +84,15 @@ def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str,
     cls, kk, val, eref, code = parse(raw, hist, spec.bits, shift, spec.exp_bits)
     if code:
         _refuse(code, body, base_bits, spec, name)
+    # the selects write each flat index over its rank: no array of the change count is born here
     pos = select(cls, kk, *index.tables()) if index is not None else \
         onepass_select(base_bits, shift, emask, cls, kk)
-    pos, new, old, code = finish(base_bits, pos, val, eref, spec.bits, shift, spec.exp_bits)
+    del cls, kk
+    new, old, code = finish(base_bits, pos, val, eref, spec.bits, shift, spec.exp_bits)
+    del val, eref
     if code:
         _refuse(code, body, base_bits, spec, name)
+    perm = position_order(pos, base_bits.size, np.empty(pos.size, np.int32 if pos.size < 1 << 31 else np.int64))
+    pos = pos[perm]
+    new, old = new[perm], old[perm]
     return (pos, new, old) if with_old else (pos, new)

@@ -5,7 +5,8 @@ Stages: :func:`parse` reads the group table and every Rice code in one sweep and
 change its (class, rank) place and its step or literal value; a select stage maps places to
 flat indices (a kept :class:`~nemo_dcr.codec.dcr.class_index.DcrIndex`, or
 :func:`onepass_select` over the base); :func:`finish` rebuilds new bits from the old ones and
-sorts by position (two counting-sort passes).  A refusal comes back as a non-zero code (``ERR``);
+:func:`position_order` sorts by position (two counting-sort passes).  Arrays are sized to keep
+the peak memory a small constant per change (docs/performance.md).  A refusal comes back as a non-zero code (``ERR``);
 the caller turns it into a :class:`~nemo_dcr.codec.errors.MalformedRecordError`.
 """
 
@@ -212,7 +213,7 @@ def _places(bounds, starts, hist, tab, rank):
     """Class of each change; ``rank`` turned from rank in group into rank in class, in place."""
     first = np.zeros(hist.size + 1, np.int64)
     first[1:] = np.cumsum(hist)
-    cls = np.empty(rank.size, np.int64)
+    cls = np.empty(rank.size, np.int16)  # classes < 2**exp_bits <= 256
     gs = 0
     for g in range(tab.shape[0]):
         c = bounds[g]
@@ -228,38 +229,39 @@ def _places(bounds, starts, hist, tab, rank):
 @njit
 def parse(body, hist, nbits, mb, exp_bits):
     """Every change of a body in (class, rank) order: ``(cls, rank in class, value, e_ref or -1,
-    code)``; value is the signed step, or the literal value where ``e_ref >= 0``."""
+    code)``; value is the signed step, or the literal value where ``e_ref >= 0`` (class and e_ref
+    as int16: 2 bytes per change)."""
     E = 1 << exp_bits
-    z = np.zeros(0, np.int64)
+    z, z16 = np.zeros(0, np.int64), np.zeros(0, np.int16)
     lo, bounds, starts, tab, at, e = _table(body, hist, nbits, mb, E)
     if e:
-        return z, z, z, z, e
+        return z16, z, z, z16, e
     q_len, at, e = _field(body, at)
     r_len, at, e2 = _field(body, at) if not e else (0, at, e)
     if e or e2:
-        return z, z, z, z, 1
+        return z16, z, z, z16, 1
     data = body[at:]
     if (q_len + r_len + 7) // 8 != data.size:
-        return z, z, z, z, 6
+        return z16, z, z, z16, 6
     for bit in range(q_len + r_len, 8 * data.size):
         if (data[bit >> 3] >> (7 - (bit & 7))) & 1:
-            return z, z, z, z, 7
+            return z16, z, z, z16, 7
     sizes = starts[1:] - starts[:-1]
     codes, rbits = _plan(tab, sizes)
     if rbits != r_len:
-        return z, z, z, z, 9
-    m = tab[:, N].sum()
-    rank, val, eref = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
-    sc = (np.empty(m + 1, np.int64), np.empty(m + 1, np.int64), np.empty(m + 1, np.int64))
+        return z16, z, z, z16, 9
+    m, big = tab[:, N].sum(), tab[:, N].max() + 1
+    rank, val, eref = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int16)
+    sc = (np.empty(big, np.int64), np.empty(big, np.int64), np.empty(big, np.int64))  # one group's sets
     rd = np.array([0, q_len])
     gs = 0
     for g in range(tab.shape[0]):
         e = _group(data, rd, q_len, tab, g, sizes[g], gs, rank, val, eref, nbits, sc)
         if e:
-            return z, z, z, z, e
+            return z16, z, z, z16, e
         gs += tab[g, N]
     if rd[0] != q_len:
-        return z, z, z, z, 8
+        return z16, z, z, z16, 8
     return _places(bounds, starts, hist, tab, rank), rank, val, eref, 0
 
 
@@ -279,8 +281,9 @@ def onepass_hist(bits, shift, emask):
 
 @njit
 def onepass_select(bits, shift, emask, cls, kk):
-    """Flat index of each (class, rank in class) by one pass over ``bits`` (``(cls, kk)`` sorted);
-    the pass stops once the last one is found."""
+    """Flat index of each (class, rank in class) by one pass over ``bits`` (``(cls, kk)`` sorted),
+    written over ``kk`` (each rank is read before its index replaces it) and returned; the pass
+    stops once the last one is found."""
     E = emask + 1
     cur, end, want = np.zeros(E, np.int64), np.zeros(E, np.int64), np.full(E, -1, np.int64)
     for i in range(cls.size - 1, -1, -1):
@@ -290,7 +293,7 @@ def onepass_select(bits, shift, emask, cls, kk):
     for c in range(E):
         if end[c]:
             want[c] = kk[cur[c]]
-    pos, cnt, left = np.empty(cls.size, np.int64), np.zeros(E, np.int64), cls.size
+    pos, cnt, left = kk, np.zeros(E, np.int64), cls.size
     for i in range(bits.size):
         if left == 0:
             break
@@ -306,10 +309,12 @@ def onepass_select(bits, shift, emask, cls, kk):
 
 # ------------------------------------------------------------------------------------------ bits
 @njit
-def _position_order(pos, n):
-    """Permutation sorting ``pos`` (distinct, in ``[0, n)``): two stable counting-sort passes."""
+def position_order(pos, n, perm):
+    """``perm`` := the permutation sorting ``pos`` (distinct, in ``[0, n)``): two stable
+    counting-sort passes (``perm`` int32 when there are fewer than 2**31 changes: 8 bytes per
+    change for the two passes)."""
     m = pos.size
-    tmp, perm = np.empty(m, np.int64), np.empty(m, np.int64)
+    tmp = np.empty_like(perm)
     lo = np.zeros(K.BLOCK + 1, np.int64)
     hi = np.zeros((n >> K.BSHIFT) + 2, np.int64)
     for i in range(m):
@@ -329,25 +334,23 @@ def _position_order(pos, n):
 
 @njit
 def finish(base, pos, val, eref, nbits, mb, exp_bits):
-    """Old and new bits at ``pos`` (steps applied, literals checked), sorted by position:
-    ``(positions, new, old, code)``."""
+    """Old and new bits at each ``pos`` (steps applied, literals checked), in the order of
+    ``pos``: ``(new, old, code)``."""
     ones, sign, E = (1 << nbits) - 1, 1 << (nbits - 1), 1 << exp_bits
     m = pos.size
-    perm = _position_order(pos, base.size)
-    p_out, new, old = np.empty(m, np.int64), np.empty(m, base.dtype), np.empty(m, base.dtype)
-    for j in range(m):
-        i = perm[j]
+    new, old = np.empty(m, base.dtype), np.empty(m, base.dtype)
+    for i in range(m):
         o = np.int64(base[pos[i]]) & ones
         if eref[i] < 0:
             nv = apply_step(o, val[i], ones, sign)
         else:
             v = val[i]
             zz = v >> (mb + 1)
-            e = eref[i] + ((zz >> 1) ^ -(zz & 1))
+            e = np.int64(eref[i]) + ((zz >> 1) ^ -(zz & 1))
             if e < 0 or e >= E:
-                return p_out, new, old, 14
+                return new, old, 14
             nv = (((v >> mb) & 1) << (nbits - 1)) | (e << mb) | (v & ((1 << mb) - 1))
             if nv == o:
-                return p_out, new, old, 15
-        p_out[j], new[j], old[j] = pos[i], nv, o
-    return p_out, new, old, 0
+                return new, old, 15
+        new[i], old[i] = nv, o
+    return new, old, 0

@@ -171,9 +171,10 @@ def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out):
 @njit
 def select(cls, kk, order, lfirst, sbefore, sup):
     """Flat index of the element of each rank ``kk[i]`` (``< hist[c]``) among those of class
-    ``cls[i]``, in passes: superblock and block (from the per-class rows), then the block's run."""
+    ``cls[i]``, in passes: superblock and block (from the per-class rows), then the block's run;
+    the indexes are written over ``kk`` (each rank is read before it is replaced) and returned."""
     m = cls.size
-    blk, at = np.empty(m, np.int64), np.empty(m, np.int64)
+    blk, at = np.empty(m, np.int32), kk  # blocks < 2**31
     for i in range(m):
         c, k = cls[i], kk[i]
         lo, hi = 0, sup.shape[1] - 2  # last superblock whose start count is <= k
