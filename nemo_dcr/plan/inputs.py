@@ -127,7 +127,7 @@ class Hardware:
     pcie_gbytes_s: float = 25.0
     """Device-to-host copy per GPU, GB/s (a host baseline of export-then-diff); an assumption."""
     codec_device: str = "gpu"
-    """``cpu``: the numpy codec of the refit path on main (one core per rank); ``gpu``: device
+    """``cpu``: the compiled host codec of the refit path (one core per rank); ``gpu``: device
     kernels (figures are named assumptions until measured)."""
     name: str = "8x H200 (NVLink 4, 8x400G IB), 112 host cores"
 

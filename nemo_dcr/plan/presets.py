@@ -57,8 +57,9 @@ PRESET_NOTES = {
     "qwen3-235b-128": "trainer 16 nodes (128 GPUs): TP4, PP2, EP16, DP16; engine 4 replicas of 16 GPUs "
                       "(TP4 x DP4, EP16)",
     "llama3-70b-64": "trainer 8 nodes (64 GPUs): TP8, PP2, DP4; engine 8 replicas of TP8",
-    "smollm2-main-job": "the main job (scripts/main.sh): megatron-core TP3/PP2 on 6 CPU ranks, a transformers "
-                        "engine in trainer rank 0, gloo over loopback, all on this host's cores",
+    "smollm2-main-job": "the main job (scripts/main.sh): megatron-core TP3/PP2 on 6 CPU ranks, one engine rank "
+                        "(vLLM in a process of its own, or transformers in trainer rank 0), gloo over "
+                        "loopback, all on this host's cores",
     "tiny-cpu": "one CPU rank each side",
     "generic-gpu": "one H200 rank each side in one cluster; size it with --tp/--pp/--ep/--dp/--engine-*",
 }

@@ -29,9 +29,9 @@ def plan_for_run(run_dir: str | Path, fig: Figures) -> tuple[Plan, dict]:
     for key in ("model", "trainer_layout", "steps", "delta_bytes_total", "refit_seconds_delta"):
         if key not in summary:
             raise FiguresError(f"{run_dir}/summary.json: missing {key!r}")
-    if summary.get("engine") != "hf":
-        raise FiguresError(f"{run_dir}: engine {summary.get('engine')!r}; validation knows the hf engine "
-                           "(one rank holding canonical tensors, hosted by a trainer rank)")
+    if summary.get("engine") not in ("hf", "vllm"):
+        raise FiguresError(f"{run_dir}: engine {summary.get('engine')!r}; validation knows the main job's "
+                           "engines (hf, vllm: one engine rank on the trainer's host)")
     lay = summary["trainer_layout"]
     setup = preset_for("smollm2", "smollm2-main-job")
     setup = replace(setup, trainer=TrainerLayout(tp=lay["tp"], pp=lay["pp"], ep=lay.get("ep", 1), dp=lay.get("dp", 1)),

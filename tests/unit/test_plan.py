@@ -203,6 +203,13 @@ def test_validate_compares_against_the_run(tmp_path):
     summary.update(delta_bytes_total=2 * plan.payload_bytes * 1.3)
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert not validate(tmp_path, _fig(0.01))["ok"]
+    summary.update(engine="vllm")  # the main job's default engine is validated the same way
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert validate(tmp_path, _fig(0.01))["payload_bytes_per_step"]["predicted"] == plan.payload_bytes
+    summary.update(engine="sglang")
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(F.FiguresError, match="sglang"):
+        plan_for_run(tmp_path, _fig(0.01))
 
 
 def test_calibration_document_round_trips(tmp_path):
