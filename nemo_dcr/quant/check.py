@@ -13,6 +13,12 @@ hold after applying:
    with ``|w| = amax``, which quantizes to exactly 448 (``amax * (1 / (amax / 448))`` is within a
    few fp32 ulps of 448), so the block's largest ``|byte|`` must be 448 (``0x7E``).
 
+Rule 4 reads whole blocks only where it can change: blocks whose scale changes or where a byte at
+448 changes.  Every other touched block keeps its scale and its byte at 448 (the engine's tensors
+satisfy the rules: they were quantized at load, and every committed version passed them), so its
+largest ``|byte|`` stays 448 (rule 3 keeps new bytes at most 448).  A sparse refit then costs in
+proportion to its changes, not to the blocks they touch.
+
 Each violation raises :class:`Fp8PayloadError` naming the tensor and the block.
 """
 
@@ -62,6 +68,16 @@ def _touched(d: SparseDelta | None, shape, block) -> np.ndarray:
     return (d.positions // n // block[0]) * gn + (d.positions % n) // block[1]
 
 
+def _may_lose_max(blocks: np.ndarray, wd: SparseDelta | None, sd: SparseDelta | None, shape, block) -> np.ndarray:
+    """Which of ``blocks`` rule 4 must rescan: a changed scale, or a changed byte that was at 448."""
+    lost = np.zeros(0, np.int64) if sd is None else sd.positions
+    if wd is not None and wd.nnz:
+        at_max = (wd.old_bits & 0x7F) == E4M3_MAX_BITS
+        lost = np.union1d(lost, _touched(SparseDelta(wd.name, wd.dtype, wd.shape, wd.positions[at_max],
+                                                     wd.new_bits[at_max]), shape, block))
+    return np.isin(blocks, lost)
+
+
 def _block_max_bits(weight: np.ndarray, wd: SparseDelta | None, blocks: np.ndarray, shape, block) -> np.ndarray:
     """Largest ``|byte|`` code of each block after applying ``wd`` (nothing written)."""
     idx, rank = block_elements(blocks, shape, block)  # grouped by block
@@ -88,7 +104,8 @@ def check_fp8_changes(name: str, weight: torch.Tensor, scale: torch.Tensor, weig
         scheme: the engine's quantization scheme.
 
     Returns:
-        The number of blocks checked.
+        The number of blocks the changes touch (all checked; see the module docstring for which
+        ones are read whole).
 
     Raises:
         Fp8PayloadError: on the first violated rule of the module docstring.
@@ -108,11 +125,12 @@ def check_fp8_changes(name: str, weight: torch.Tensor, scale: torch.Tensor, weig
     scales = bits_view(scale.contiguous()).copy()
     if scale_delta is not None:
         scales[scale_delta.positions] = scale_delta.new_bits
-    above_floor = scales[blocks].view(np.float32) > np.float32(MIN_SCALE)
-    top = _block_max_bits(bits_view(weight.contiguous()), weight_delta, blocks, shape, block)
-    bad = np.flatnonzero(above_floor & (top != E4M3_MAX_BITS))
+    scan = blocks[(scales[blocks].view(np.float32) > np.float32(MIN_SCALE))
+                  & _may_lose_max(blocks, weight_delta, scale_delta, shape, block)]
+    top = _block_max_bits(bits_view(weight.contiguous()), weight_delta, scan, shape, block) if scan.size else scan
+    bad = np.flatnonzero(top != E4M3_MAX_BITS)
     if bad.size:
-        b = int(blocks[bad[0]])
+        b = int(scan[bad[0]])
         raise Fp8PayloadError(f"{_where(name, b, grid)}: largest |byte| would be 0x{int(top[bad[0]]):02X}, but its "
                               f"scale {float(scales[b:b + 1].view(np.float32)[0])!r} needs an element at 448 "
                               f"(0x7E): bytes and scale disagree ({bad.size} such blocks)")

@@ -59,8 +59,8 @@ def _bits(tensors) -> dict[str, np.ndarray]:
     return {n: host_bits(t).reshape(tuple(t.shape)).copy() for n, t in tensors.items()}
 
 
-def _mismatches(trainer: ShardTrainer, engine: TensorEngine) -> list[str]:
-    fp8 = {n: (BLOCK, n[: -len("weight")] + "weight_scale_inv") for n in FP8}
+def _mismatches(trainer: ShardTrainer, engine, fp8_names=FP8) -> list[str]:
+    fp8 = {n: (BLOCK, n[: -len("weight")] + "weight_scale_inv") for n in fp8_names}
     return fp8_mismatches(_bits(engine.tensors), _bits(trainer.params), fp8)
 
 
@@ -291,3 +291,34 @@ def test_the_reference_check_sees_a_wrong_byte():
     assert _mismatches(trainer, engine) == [FP8[1] + "_scale_inv"]
     q, _, _ = quantize_ref(np.zeros((3, 3), np.float32), BLOCK)
     assert not q.any()
+
+
+def test_a_transformers_engine_with_fp8_weights_serves_each_refit_version():
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from nemo_dcr.integrations.hf.engine import HFEngine
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, tie_word_embeddings=True))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    plan = fp8_plan(_cfg(), shapes)
+    engine = HFEngine(model, key=KEY, fp8_plan=plan)
+    assert len(plan.fp8) == 7 and all(engine.tensors[n].dtype == torch.float8_e4m3fn for n in plan.fp8)
+    trainer = ShardTrainer(shapes, 0, 1, lr=1e-2)
+    refit = _refit(trainer, engine)
+    try:
+        assert refit.attach().resynced and _mismatches(trainer, engine, plan.fp8) == []
+        ids = torch.tensor([[1, 5, 9, 3]])
+        first = engine.logits(ids)[0]
+        trainer.step()
+        assert refit.step().committed and _mismatches(trainer, engine, plan.fp8) == []
+        served = engine.logits(ids)[0]
+        for m in engine.model.modules():  # drop every cached dequantized weight: the served logits were fresh
+            if isinstance(m, quant.Fp8Linear):
+                m.refresh()
+        assert torch.equal(served, engine.logits(ids)[0]) and not torch.equal(first, served)
+    finally:
+        refit.close(5)

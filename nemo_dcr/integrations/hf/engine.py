@@ -52,6 +52,7 @@ class HFEngine:
         bad = [n for n, t in tensors.items() if not t.is_contiguous()]
         if bad:
             raise ValueError(f"parameters must be contiguous for in-place apply: {bad[:5]}")
+        self.fp8_plan = fp8_plan
         self._fp8_layers: dict[str, quant.Fp8Linear] = {}
         if fp8_plan is not None:
             tensors = self._quantize(tensors, fp8_plan)
