@@ -177,10 +177,15 @@ def _fp8_line(rec: dict) -> str:
     f = rec.get("engine_format") or {}
     if rec.get("fp8_density") is None:
         return ""
-    bf16 = f"{f['bf16_delta_bytes'] / 1e6:.2f}MB" if "bf16_delta_bytes" in f else "-"
+    bf16 = _mb(f, "bf16_delta_bytes")
     return (f"; FP8 density {rec['fp8_density']:.3%} scale changes {f['scale_changes']}/{f['fp8_blocks']} "
             f"(sent {rec['payload_bytes'] / 1e6:.2f}MB vs BF16 delta {bf16}, FP8 dense "
-            f"{rec['bytes']['dense'] / 1e6:.1f}MB)")
+            f"{rec['bytes']['dense'] / 1e6:.1f}MB; FP8 weights alone {_mb(f, 'fp8_weights_delta_bytes')} vs "
+            f"BF16 {_mb(f, 'bf16_weights_delta_bytes')})")
+
+
+def _mb(f: dict, key: str) -> str:
+    return f"{f[key] / 1e6:.3f}MB" if key in f else "-"
 
 
 def _ratio(delta: float | None, dense: float | None) -> str:
@@ -224,12 +229,15 @@ def _fp8_summary(steps: list[dict]) -> dict:
     """FP8 figures of the run, per step and totalled (empty for a BF16 engine), all from the
     steps' reports: changed FP8 bytes over FP8 elements, scale changes, and the payload sent (FP8
     delta) against the same version encoded as a BF16 delta and against an FP8 dense refit (the
-    engine's tensors whole: FP8 weights, scales and the kept BF16 tensors)."""
+    engine's tensors whole: FP8 weights, scales and the kept BF16 tensors); then the FP8 weights'
+    part alone, as FP8 bytes + scales and as BF16 (kept tensors, the embedding first, are the same
+    in both payloads)."""
     fmts = [s["engine_format"] for s in steps if s.get("fp8_density") is not None]
     if not fmts:
         return {}
     sent = [s["payload_bytes"] for s in steps]
     bf16 = [f.get("bf16_delta_bytes") for f in fmts]
+    w_fp8, w_bf16 = [f.get("fp8_weights_delta_bytes") for f in fmts], [f.get("bf16_weights_delta_bytes") for f in fmts]
     dense = [s["bytes"]["dense"] for s in steps]
     total = {k: sum(f.get(k, 0) for f in fmts) for k in ("fp8_changed", "scale_changes")}
     return {"fp8": {
@@ -239,7 +247,9 @@ def _fp8_summary(steps: list[dict]) -> dict:
         "fp8_density_per_step": [s["fp8_density"] for s in steps],
         "scale_changes_per_step": [f["scale_changes"] for f in fmts],
         "fp8_delta_bytes_per_step": sent, "bf16_delta_bytes_per_step": bf16, "fp8_dense_bytes_per_step": dense,
-        "bf16_delta_over_fp8_delta": _ratios(bf16, sent), "fp8_dense_over_fp8_delta": _ratios(dense, sent)}}
+        "bf16_delta_over_fp8_delta": _ratios(bf16, sent), "fp8_dense_over_fp8_delta": _ratios(dense, sent),
+        "fp8_weights_delta_bytes_per_step": w_fp8, "bf16_weights_delta_bytes_per_step": w_bf16,
+        "fp8_weights_bf16_over_fp8": _ratios(w_bf16, w_fp8)}}
 
 
 def _ratios(num: list, den: list) -> list:

@@ -98,7 +98,7 @@ class Fp8Mirror:
         self.amax = {n: torch.zeros(plan.scheme.grid(s)) for n, (_, s) in shapes.items() if n in plan.fp8}
         self.engine.reset({plan.scale_names[n]: scale_inv_from_amax(a) for n, a in self.amax.items()}, version)
         self._scale_of = {s: w for w, s in plan.scale_names.items()}
-        self._staged: tuple[int, dict, dict, list[SparseDelta]] | None = None
+        self._staged: tuple[int, dict, dict, list[SparseDelta], list[SparseDelta]] | None = None
 
     def _engine_meta(self, shapes: Meta) -> dict[str, tuple[str, tuple[int, ...]]]:
         out = {}
@@ -154,7 +154,7 @@ class Fp8Mirror:
                 out += [w, s]
         self.canonical.stage(deltas, version)
         self.engine.stage(out, version)
-        self._staged = (version, amax, stats, list(deltas))
+        self._staged = (version, amax, stats, list(deltas), out)
         return out
 
     def _fp8(self, d: SparseDelta, target: torch.Tensor):
@@ -225,7 +225,9 @@ class Fp8Mirror:
 
     def telemetry(self, encoding: str | None) -> dict[str, int]:
         """Counts of the staged version (FP8 density, scale changes) and, with ``encoding``, the
-        bytes the same version's BF16 delta would take (encoded, not sent)."""
+        bytes the same version's BF16 delta would take (encoded, not sent), whole and for the FP8
+        weights alone (``bf16_weights_delta_bytes``, against ``fp8_weights_delta_bytes``: the
+        same weights' FP8 bytes and scales encoded alone, also not sent)."""
         stats = list(self._staged[2].values()) if self._staged is not None else []
         grids = [a.numel() for a in self.amax.values()]
         numel = sum(int(np.prod(self.plan.fp8[n])) for n in self.amax)
@@ -235,12 +237,19 @@ class Fp8Mirror:
                "blocks_touched": sum(s.blocks_touched for s in stats),
                "blocks_rescanned": sum(s.blocks_rescanned for s in stats)}
         if encoding is not None:
-            c = self.canonical
-            deltas = self._staged[3] if self._staged is not None else []
-            out["bf16_delta_bytes"] = len(encode_deltas(deltas, c.bits, Identity(), encoding, None, c.checksums,
-                                                        c.indexes))
+            deltas, sent = self._staged[3:] if self._staged is not None else ([], [])
+            fp8_bf16 = [d for d in deltas if d.name in self.plan.fp8]
+            fp8_sent = [d for d in sent if self.canonical_name(d.name) in self.plan.fp8]
+            out["bf16_delta_bytes"] = _encoded_bytes(self.canonical, deltas, encoding)
+            out["bf16_weights_delta_bytes"] = _encoded_bytes(self.canonical, fp8_bf16, encoding)
+            out["fp8_weights_delta_bytes"] = _encoded_bytes(self.engine, fp8_sent, encoding)
         return out
 
     def dense_bytes(self) -> int:
         """Bytes of the engine-format tensors whole (a dense refit of an FP8 engine)."""
         return self.engine.dense_bytes()
+
+
+def _encoded_bytes(mirror: SenderMirror, deltas: Sequence[SparseDelta], encoding: str) -> int:
+    """Bytes of one payload of ``deltas`` against ``mirror`` (measured for telemetry, not sent)."""
+    return len(encode_deltas(deltas, mirror.bits, Identity(), encoding, None, mirror.checksums, mirror.indexes))

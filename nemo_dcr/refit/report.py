@@ -42,7 +42,9 @@ class RefitReport:
             ``fp8_bf16_changed`` BF16 elements of them that changed, ``scale_changes``,
             ``blocks_touched``, ``blocks_rescanned``, ``fp8_dense_bytes`` (FP8 bytes + scales
             whole) and, with telemetry encodings, ``bf16_delta_bytes`` (the same version as a BF16
-            delta, encoded, not sent).  Empty for a BF16 engine.
+            delta, encoded, not sent) and the FP8 weights' part alone: ``bf16_weights_delta_bytes``
+            (their BF16 delta) and ``fp8_weights_delta_bytes`` (their FP8 bytes and scales), each
+            encoded on its own, not sent.  Empty for a BF16 engine.
     """
 
     version: int

@@ -102,6 +102,9 @@ def test_every_refit_is_bit_exact_against_independent_requantization(lr):
             assert f["fp8_elements"] == sum(int(np.prod(SHAPES[n])) for n in FP8)
             assert f["fp8_dense_bytes"] == f["fp8_elements"] + 4 * sum(before[n + "_scale_inv"].size for n in FP8)
             assert f["bf16_delta_bytes"] > 0 and 0 < r.fp8_density <= 1
+            # the FP8 weights' part alone, each side encoded on its own (kept tensors changed too)
+            assert 0 < f["bf16_weights_delta_bytes"] < f["bf16_delta_bytes"]
+            assert 0 < f["fp8_weights_delta_bytes"] < r.payload_bytes
             assert r.dense_bytes == sum(t.numel() * t.element_size() for t in engine.tensors.values())
             scale_changes += f["scale_changes"]
             # small steps take the FP8 delta (no block rescanned), large ones re-quantize whole weights
