@@ -23,7 +23,8 @@ from nemo_dcr.verify.checksum import tensor_checksum
 from .errors import RefitRefusedError
 from .guard import VersionGuard
 from .shard_view import ShardView
-from .transaction import ApplyResult, Bases, FaultHook, Prepared, UndoSettings, prepare_parts, prepare_resync
+from .transaction import (ApplyResult, Bases, FaultHook, PayloadCheck, Prepared, UndoSettings, prepare_parts,
+                          prepare_resync)
 from .undo import UNDO_MEMORY_BYTES
 
 
@@ -64,6 +65,7 @@ class TensorEngine:
         self.guard = VersionGuard(version)
         self._checksums = full_checksums(self.tensors)
         self.fault: FaultHook | None = None
+        self.check: PayloadCheck | None = None  # engine-specific rules on decoded changes (an FP8 engine's)
         self._pending: tuple[Prepared, ExitStack] | None = None
 
     @property
@@ -98,10 +100,11 @@ class TensorEngine:
         hold.enter_context(self.guard.write())
         try:
             if resync:
-                prepared = prepare_resync(self.tensors, parts, self.version, self.key, self.fault, self.undo)
+                prepared = prepare_resync(self.tensors, parts, self.version, self.key, self.fault, self.undo,
+                                          self.check)
             else:
                 prepared = prepare_parts(self.tensors, parts, self.version, self._checksums, self.key, self.fault,
-                                         self.indexes, self.undo)
+                                         self.indexes, self.undo, self.check)
         except BaseException:
             hold.close()
             raise

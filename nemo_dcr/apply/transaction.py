@@ -23,6 +23,7 @@ prepare-then-commit on one rank.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence, Union
 
@@ -44,6 +45,13 @@ RESYNC_BASE_VERSION = 0
 
 FaultHook = Callable[[str], None]
 """Called after each tensor is written (chaos and tests raise from it)."""
+
+PayloadCheck = Callable[[Mapping[str, torch.Tensor], Sequence[SparseDelta], bool], object]
+"""Engine-specific rules on decoded changes, run after validation and before anything is written:
+``check(bases, deltas, resync)`` raises to refuse the version.  ``bases`` are the tensors the
+deltas apply to: the live ones, or for a resync all-zero tensors for those in the payload (whose
+deltas then list every nonzero element).  An FP8 engine checks its scales and bytes here
+(:class:`nemo_dcr.quant.Fp8TransactionCheck`)."""
 
 Live = Union[torch.Tensor, ShardView]
 """A live tensor, or the view of a canonical tensor inside a fused/sharded engine param."""
@@ -166,18 +174,18 @@ def _transact(writes: Callable[[UndoLog], dict[str, int]],
 def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                 checksums: Mapping[str, int], key: bytes | None = None,
                 fault: FaultHook | None = None, indexes: DcrIndexes | None = None,
-                undo: UndoSettings = UndoSettings()) -> ApplyResult:
+                undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None) -> ApplyResult:
     """Apply all parts of one version as one transaction (see the module docstring).
 
     Same arguments and errors as :func:`prepare_parts`; commits at once (the undo log is dropped).
     """
-    return prepare_parts(tensors, parts, version, checksums, key, fault, indexes, undo).release()
+    return prepare_parts(tensors, parts, version, checksums, key, fault, indexes, undo, check).release()
 
 
 def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                   checksums: Mapping[str, int], key: bytes | None = None,
                   fault: FaultHook | None = None, indexes: DcrIndexes | None = None,
-                  undo: UndoSettings = UndoSettings()) -> Prepared:
+                  undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None) -> Prepared:
     """Validate, write and verify one version, keeping the undo log (phases 1-3).
 
     Args:
@@ -190,15 +198,19 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
         indexes: the engine's kept ``dcr`` class indexes, used to decode; this function never
             updates them (the caller does, with ``result.deltas``, once it committed).
         undo: the undo log's memory bound and spill folder.
+        check: engine-specific rules on the decoded changes (:data:`PayloadCheck`).
 
     Raises:
-        DeltaFormatError, VersionMismatchError, IncompletePartsError: refused, nothing written.
+        DeltaFormatError, VersionMismatchError, IncompletePartsError, or whatever ``check``
+            raises: refused, nothing written.
         ApplyVerificationError, or whatever ``fault`` raises: rolled back exactly.
     """
     decoded = [decode(p, Bases(tensors), key, checksums, indexes) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=False)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]
+    if check is not None:
+        check(Bases(tensors), deltas, False)
     new_ck = {d.name: int(records[d.name].target_checksum, 16) for d in deltas}
 
     def writes(undo: UndoLog) -> dict[str, int]:
@@ -246,25 +258,27 @@ def _zero_base(tensors: Mapping[str, Live], parts: Sequence[bytes], key) -> dict
 
 def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                  key: bytes | None = None, fault: FaultHook | None = None,
-                 undo: UndoSettings = UndoSettings()) -> ApplyResult:
+                 undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None) -> ApplyResult:
     """Full resync: payloads encoded against all-zero tensors overwrite the named tensors.
 
     The target version must be newer than ``version``; tensors not in the payload keep their
     bits.  The undo log saves whole tensors (a resync is a 100%-density delta), spilling beyond
     ``undo.limit_bytes``.  Commits at once; :func:`prepare_resync` keeps the undo log instead.
     """
-    return prepare_resync(tensors, parts, version, key, fault, undo).release()
+    return prepare_resync(tensors, parts, version, key, fault, undo, check).release()
 
 
 def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                    key: bytes | None = None, fault: FaultHook | None = None,
-                   undo: UndoSettings = UndoSettings()) -> Prepared:
+                   undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None) -> Prepared:
     """A full resync written and verified, not committed (see :func:`resync_parts`)."""
     zeros = _zero_base(tensors, parts, key)
     decoded = [decode(p, zeros, key) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=True)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]
+    if check is not None:
+        check(ChainMap(zeros, Bases(tensors)), deltas, True)
     del zeros
 
     def writes(undo: UndoLog) -> dict[str, int]:

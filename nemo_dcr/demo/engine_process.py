@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.types import int_view
+from nemo_dcr.demo.hf_engine import build_hf_engine, load_and_compare
 
 
 def refit_group(store_dir: Path, rank: int, trainers: int):
@@ -33,7 +33,7 @@ def refit_group(store_dir: Path, rank: int, trainers: int):
     return DistTransport(dist.ProcessGroupGloo(store, rank, trainers + 1), rank)
 
 
-def _build(kind: str, hf_dir: Path, key: bytes | None):
+def _build(kind: str, hf_dir: Path, key: bytes | None, dcr):
     """(engine, tokenizer) of ``kind`` loaded from the HF folder ``hf_dir``."""
     from transformers import AutoTokenizer
 
@@ -42,28 +42,27 @@ def _build(kind: str, hf_dir: Path, key: bytes | None):
         from nemo_dcr.integrations.vllm.engine import VllmEngine
 
         return VllmEngine.start(str(hf_dir), key=key, max_model_len=512, max_num_seqs=16), tokenizer
-    from transformers import AutoModelForCausalLM
-
-    from nemo_dcr.integrations.hf.engine import HFEngine
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    return HFEngine(model, torch.bfloat16, key=key), tokenizer
+    return build_hf_engine(hf_dir, key, dcr), tokenizer
 
 
-def _same(engine, dense: dict[str, torch.Tensor]) -> bool:
-    """The engine's weights equal the dense export, bit for bit (by the engine's own means)."""
-    if hasattr(engine, "compare"):  # vLLM: every placed element of every rank against the checkpoint
-        from nemo_dcr.checkpoint import save_checkpoint
+def _load_and_compare(engine, dense: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
+    """The dense refit's last hop and whether the engine equals the dense export, bit for bit (by
+    the engine's own means): ``(seconds of the load, seconds of the comparison, same)``."""
+    if not hasattr(engine, "compare"):
+        return load_and_compare(engine, dense)
+    t0 = time.perf_counter()
+    scratch = {n: t.clone() for n, t in dense.items()}
+    t1 = time.perf_counter()
+    from nemo_dcr.checkpoint import save_checkpoint
 
-        with tempfile.TemporaryDirectory() as tmp:
-            save_checkpoint(dense, Path(tmp, "model.safetensors"))
-            return all(not bad for bad in engine.compare(tmp).values())
-    live = engine.tensors
-    return set(dense) == set(live) and all(torch.equal(int_view(live[n]), int_view(t)) for n, t in dense.items())
+    with tempfile.TemporaryDirectory() as tmp:  # vLLM: every placed element of every rank against the checkpoint
+        save_checkpoint(scratch, Path(tmp, "model.safetensors"))
+        same = all(not bad for bad in engine.compare(tmp).values())
+    return t1 - t0, time.perf_counter() - t1, same
 
 
 def engine_main(conn, kind: str, hf_dir: str, store_dir: str, trainers: int, key: bytes | None,
-                rl_cfg, seed: int) -> None:
+                rl_cfg, seed: int, dcr) -> None:
     """The engine process: serve refits in a thread, answer the demo over ``conn`` until ``stop``."""
     import random
 
@@ -71,7 +70,7 @@ def engine_main(conn, kind: str, hf_dir: str, store_dir: str, trainers: int, key
     from nemo_dcr.refit.server import EngineServer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    engine, tokenizer = _build(kind, Path(hf_dir), key)
+    engine, tokenizer = _build(kind, Path(hf_dir), key, dcr)
     server = EngineServer(engine, refit_group(Path(store_dir), trainers, trainers), list(range(trainers)))
 
     def serve() -> None:  # until STOP; then join the trainers' transport close handshake
@@ -87,30 +86,26 @@ def engine_main(conn, kind: str, hf_dir: str, store_dir: str, trainers: int, key
         if verb == "rollout":
             conn.send(rollout(engine, tokenizer, rng, rl_cfg))
         elif verb == "dense":  # the dense refit's last hop: load a dense export into scratch, then compare
-            t0 = time.perf_counter()
-            scratch = {n: t.clone() for n, t in arg.items()}
-            t1 = time.perf_counter()
-            same = _same(engine, scratch)
-            conn.send((t1 - t0, time.perf_counter() - t1, same))
+            conn.send(_load_and_compare(engine, arg))
         elif verb == "stop":
             break
     thread.join()  # the server stopped and its transport closed with the trainers'
     if hasattr(engine, "close"):
         engine.close()
-    conn.send(("stopped", dict(committed=server.stats.committed, refused=server.stats.refused)))
+    conn.send(("stopped", {"committed": server.stats.committed, "refused": server.stats.refused}))
 
 
 class EngineProcess:
     """The starting trainer rank's handle on the engine process."""
 
     def __init__(self, kind: str, hf_dir: Path, store_dir: Path, trainers: int, key: bytes | None, rl_cfg,
-                 seed: int):
+                 seed: int, dcr):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_main, name="nemo-dcr-engine",
-                                args=(child, kind, str(hf_dir), str(store_dir), trainers, key, rl_cfg, seed))
+                                args=(child, kind, str(hf_dir), str(store_dir), trainers, key, rl_cfg, seed, dcr))
         self.proc.start()
 
     def wait_ready(self, timeout: float = 900.0) -> str:

@@ -2,17 +2,21 @@
 process of its own next to it (``separate``, always for vLLM).  Both handles give the starting
 trainer rank the same three things: rollouts, the independent dense comparison, and shutdown.
 The refit itself never goes through these handles: it is ``DeltaRefit`` to the engine's server.
+
+With ``engine.weights: fp8`` the transformers engine holds the linear layers in FP8
+(:class:`~nemo_dcr.integrations.hf.engine.HFEngine` with the plan of ``dcr``), and the dense
+comparison checks its FP8 bytes and scales against an independent re-quantization of the dense
+export (:func:`nemo_dcr.verify.fp8_reference.fp8_mismatches`).
 """
 
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import torch
 
-from nemo_dcr.types import int_view
+from nemo_dcr.demo.hf_engine import build_hf_engine, load_and_compare
 
 
 def write_initial_weights(init_dir: Path) -> Path:
@@ -31,20 +35,17 @@ def remove_initial_weights(init_dir: Path) -> None:
 class ColocatedEngine:
     """A transformers engine in this process (its refit server runs in a thread of ``DeltaRefit``)."""
 
-    def __init__(self, hf_dir: Path, key: bytes | None, rl_cfg, seed: int):
+    def __init__(self, hf_dir: Path, key: bytes | None, rl_cfg, seed: int, dcr):
         import random
 
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        from nemo_dcr.integrations.hf.engine import HFEngine
-
-        self.engine = HFEngine(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), torch.bfloat16,
-                               key=key)
+        self.engine = build_hf_engine(hf_dir, key, dcr)
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.rl_cfg, self.rng = rl_cfg, random.Random(seed)
 
     def wait_ready(self) -> str:
-        return "hf (colocated)"
+        return f"hf{' fp8' if self.engine.fp8_plan is not None else ''} (colocated)"
 
     def rollout(self):
         from nemo_dcr.demo.rollout import rollout
@@ -52,15 +53,10 @@ class ColocatedEngine:
         return rollout(self.engine, self.tokenizer, self.rng, self.rl_cfg)
 
     def compare(self, dense: dict[str, torch.Tensor]) -> tuple[float, bool]:
-        """Load ``dense`` into scratch copies (the last hop of a dense refit, timed) and compare it
-        with the engine's live weights bit for bit."""
-        t0 = time.perf_counter()
-        for name, t in dense.items():
-            torch.empty_like(self.engine.tensors[name]).copy_(t)
-        seconds = time.perf_counter() - t0
-        live = self.engine.tensors
-        same = set(dense) == set(live) and all(torch.equal(int_view(live[n]), int_view(t)) for n, t in dense.items())
-        return seconds, same
+        """Seconds of the load into scratch (:func:`load_and_compare`; the comparison not counted)
+        and whether the engine equals ``dense``."""
+        load_s, _, same = load_and_compare(self.engine, dense)
+        return load_s, same
 
     def stop_server(self, transport) -> None:
         """Nothing to do: ``DeltaRefit.close`` stops the server it hosts."""
@@ -73,11 +69,11 @@ class SeparateEngine:
     """The engine in a process of its own (:mod:`nemo_dcr.demo.engine_process`)."""
 
     def __init__(self, kind: str, hf_dir: Path, store_dir: Path, trainers: int, key: bytes | None, rl_cfg,
-                 seed: int):
+                 seed: int, dcr):
         from nemo_dcr.demo.engine_process import EngineProcess
 
         self.kind, self.trainers = kind, trainers
-        self.proc = EngineProcess(kind, hf_dir, store_dir, trainers, key, rl_cfg, seed)
+        self.proc = EngineProcess(kind, hf_dir, store_dir, trainers, key, rl_cfg, seed, dcr)
 
     def wait_ready(self) -> str:
         return f"{self.proc.wait_ready()} (separate process)"

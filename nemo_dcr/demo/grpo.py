@@ -54,8 +54,9 @@ def _log(msg: str) -> None:
 def dense_check(trainer, handle, starter: int) -> tuple[float, bool | None]:
     """Dense refit seconds and the bitwise engine comparison against that independent export
     (collective).  The dense refit timed is gather + convert (every rank) + hand-over and load into
-    scratch copies next to the engine; the comparison itself is not counted (a real dense refit
-    into vLLM goes through its loaders, slower than a copy: the reference errs in dense's favour)."""
+    scratch copies next to the engine (an FP8 engine quantizing it); the comparison itself is not
+    counted (a real dense refit into vLLM goes through its loaders, slower than a copy: the
+    reference errs in dense's favour)."""
     t0 = time.perf_counter()
     dense = dense_export(trainer.chunks, trainer.dims, dst=starter)
     export_s = time.perf_counter() - t0
@@ -100,8 +101,8 @@ def _start(cfg, starter: int, rl_cfg):
     separate = cfg.engine.placement == "separate"
     handle = None
     if me == starter:
-        handle = (SeparateEngine(cfg.engine.kind, hf_dir, init_dir, world, key, rl_cfg, cfg.trainer.seed) if separate
-                  else ColocatedEngine(hf_dir, key, rl_cfg, cfg.trainer.seed))
+        handle = (SeparateEngine(cfg.engine.kind, hf_dir, init_dir, world, key, rl_cfg, cfg.trainer.seed, cfg.dcr)
+                  if separate else ColocatedEngine(hf_dir, key, rl_cfg, cfg.trainer.seed, cfg.dcr))
     t = cfg.trainer
     trainer = build_trainer(t.model, t.tp, t.pp, str(hf_dir), t.lr, t.weight_decay)
     wiring = None
@@ -169,7 +170,22 @@ def progress_line(rec: dict, steps: int) -> str:
             f"{rec['mode']} density {rec['density']:.3%} {sizes} (dense "
             f"{rec['bytes']['dense'] / 1e6:.0f}MB) refit {rec['times'].get('total', 0):.2f}s "
             f"vs dense {rec['dense_refit_s'] or 0:.2f}s ({_ratio(rec['times'].get('total'), rec['dense_refit_s'])}) "
-            f"{exact}")
+            f"{exact}{_fp8_line(rec)}")
+
+
+def _fp8_line(rec: dict) -> str:
+    f = rec.get("engine_format") or {}
+    if rec.get("fp8_density") is None:
+        return ""
+    bf16 = _mb(f, "bf16_delta_bytes")
+    return (f"; FP8 density {rec['fp8_density']:.3%} scale changes {f['scale_changes']}/{f['fp8_blocks']} "
+            f"(sent {rec['payload_bytes'] / 1e6:.2f}MB vs BF16 delta {bf16}, FP8 dense "
+            f"{rec['bytes']['dense'] / 1e6:.1f}MB; FP8 weights alone {_mb(f, 'fp8_weights_delta_bytes')} vs "
+            f"BF16 {_mb(f, 'bf16_weights_delta_bytes')})")
+
+
+def _mb(f: dict, key: str) -> str:
+    return f"{f[key] / 1e6:.3f}MB" if key in f else "-"
 
 
 def _ratio(delta: float | None, dense: float | None) -> str:
@@ -205,7 +221,39 @@ def summarize(cfg, steps: list[dict], init, seconds: float) -> dict:
         "phase_seconds_mean": {k: mean(s["times"].get(k) for s in steps)
                                for k in steps[0]["times"]},
         "modes": [s["mode"] for s in steps], "wall_seconds": seconds,
+        "engine_weights": cfg.engine.weights, **_fp8_summary(steps),
     }
+
+
+def _fp8_summary(steps: list[dict]) -> dict:
+    """FP8 figures of the run, per step and totalled (empty for a BF16 engine), all from the
+    steps' reports: changed FP8 bytes over FP8 elements, scale changes, and the payload sent (FP8
+    delta) against the same version encoded as a BF16 delta and against an FP8 dense refit (the
+    engine's tensors whole: FP8 weights, scales and the kept BF16 tensors); then the FP8 weights'
+    part alone, as FP8 bytes + scales and as BF16 (kept tensors, the embedding first, are the same
+    in both payloads)."""
+    fmts = [s["engine_format"] for s in steps if s.get("fp8_density") is not None]
+    if not fmts:
+        return {}
+    sent = [s["payload_bytes"] for s in steps]
+    bf16 = [f.get("bf16_delta_bytes") for f in fmts]
+    w_fp8, w_bf16 = [f.get("fp8_weights_delta_bytes") for f in fmts], [f.get("bf16_weights_delta_bytes") for f in fmts]
+    dense = [s["bytes"]["dense"] for s in steps]
+    total = {k: sum(f.get(k, 0) for f in fmts) for k in ("fp8_changed", "scale_changes")}
+    return {"fp8": {
+        **total, "fp8_elements": fmts[0]["fp8_elements"], "fp8_blocks": fmts[0]["fp8_blocks"],
+        "fp8_weights_dense_bytes": fmts[0]["fp8_dense_bytes"],
+        "bit_exact_per_step": [s["bit_exact"] for s in steps],
+        "fp8_density_per_step": [s["fp8_density"] for s in steps],
+        "scale_changes_per_step": [f["scale_changes"] for f in fmts],
+        "fp8_delta_bytes_per_step": sent, "bf16_delta_bytes_per_step": bf16, "fp8_dense_bytes_per_step": dense,
+        "bf16_delta_over_fp8_delta": _ratios(bf16, sent), "fp8_dense_over_fp8_delta": _ratios(dense, sent),
+        "fp8_weights_delta_bytes_per_step": w_fp8, "bf16_weights_delta_bytes_per_step": w_bf16,
+        "fp8_weights_bf16_over_fp8": _ratios(w_bf16, w_fp8)}}
+
+
+def _ratios(num: list, den: list) -> list:
+    return [round(a / b, 2) if a is not None and b else None for a, b in zip(num, den)]
 
 
 def main(argv=None) -> int:

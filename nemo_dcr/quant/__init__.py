@@ -10,7 +10,13 @@ Usage::
     quant.check_fp8_payload(engine, codec.decode(payload, engine).deltas, plan)  # engine, before apply
 """
 
-from nemo_dcr.quant.check import Fp8PayloadError, check_fp8_changes, check_fp8_payload
+from nemo_dcr.quant.check import (
+    Fp8PayloadError,
+    Fp8TransactionCheck,
+    check_fp8_changes,
+    check_fp8_payload,
+    check_fp8_tensor,
+)
 from nemo_dcr.quant.delta import Fp8DeltaStats, Fp8TensorDelta, fp8_delta, scale_tensor_name
 from nemo_dcr.quant.fp8 import (
     AMAX_FLOOR,
@@ -29,7 +35,7 @@ from nemo_dcr.quant.plan import DEFAULT_KEEP, Fp8Plan, Fp8Rule
 
 __all__ = [
     "AMAX_FLOOR", "DEFAULT_KEEP", "E4M3_MAX", "Fp8DeltaStats", "Fp8Error", "Fp8Linear", "Fp8PayloadError", "Fp8Plan",
-    "Fp8Rule", "Fp8Scheme", "Fp8ShapeError", "Fp8TensorDelta", "Fp8Weight", "NonFiniteWeightError", "block_amax",
-    "check_fp8_changes", "check_fp8_payload", "dequantize", "fp8_delta", "quantize", "scale_tensor_name",
+    "Fp8Rule", "Fp8Scheme", "Fp8ShapeError", "Fp8TensorDelta", "Fp8TransactionCheck", "Fp8Weight",
+    "NonFiniteWeightError", "block_amax", "check_fp8_changes", "check_fp8_payload", "check_fp8_tensor", "dequantize", "fp8_delta", "quantize", "scale_tensor_name",
     "to_fp8_linears",
 ]

@@ -43,12 +43,12 @@ from nemo_dcr.codec.auth import read_key_file
 from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.transport import Envelope, MessageKind
-from nemo_dcr.types import DTYPES, SparseDelta
+from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import updated_checksum
 
+from .formats import sender_mirror
 from .group import TrainerGroup
 from .messages import QUERY_PLACEMENT
-from .mirror import SenderMirror
 from .report import RefitReport
 from .routing import assign_owners
 from .sender import PhaseClock, RefitSender, Tamper, verify_due
@@ -82,7 +82,7 @@ class DeltaRefit:
         self.closed = False
         sizes = {n: _numel(s) for n, (_, s) in source.canonical.items()}
         owners = assign_owners(sizes, self.group.size)
-        mirror = SenderMirror({n: source.canonical[n] for n, r in owners.items() if r == self.group.rank})
+        mirror = sender_mirror(cfg, source.canonical, [n for n, r in owners.items() if r == self.group.rank])
         self.sender = RefitSender(cfg, self.key, self.group, wiring.transport, wiring.engine_ranks, owners,
                                   mirror, model=model)
         self.store = self._new_store()
@@ -95,7 +95,7 @@ class DeltaRefit:
     @classmethod
     def from_config(cls, cfg: DcrConfig, model: Any, optimizer=None, engine: Engine | None = None, *,
                     engine_rank: int = 0, wiring: Wiring | None = None, key: bytes | None = None,
-                    **source_options) -> "DeltaRefit":
+                    **source_options) -> DeltaRefit:
         """Build the refit of a model (collective over the trainer ranks).
 
         Args:
@@ -229,20 +229,21 @@ class DeltaRefit:
         """Sum this refit's counts over the trainer ranks (every rank gets the same report)."""
         kinds = sorted({layer_type(n) for n in self.source.canonical})
         encs = sorted(set(self.cfg.telemetry_encodings) | {self.cfg.encoding})
-        local = [report.changed, report.payload_bytes]
+        fmt = sorted(report.engine_format)  # the same keys on every rank (same format, same outcome)
+        local = [report.changed, report.payload_bytes, self.sender.mirror.dense_bytes()]
         local += [report.by_layer_type.get(k, {}).get("changed", 0) for k in kinds]
         local += [report.bytes_by_encoding.get(e, 0) for e in encs]
+        local += [report.engine_format.get(k, 0) for k in fmt]
         summed = self.group.sum_ints(local)
         slowest = self.group.max_floats([report.times.get("total", 0.0)])[0]
         numel = {k: 0 for k in kinds}
-        dense = 0
         for n, (dtype, shape) in self.source.canonical.items():
             numel[layer_type(n)] += _numel(shape)
-            dense += _numel(shape) * DTYPES[dtype].width
-        by_kind = {k: {"changed": summed[2 + i], "numel": numel[k]} for i, k in enumerate(kinds)}
-        sizes = {e: summed[2 + len(kinds) + i] for i, e in enumerate(encs)} if report.mode == "delta" else {}
+        by_kind = {k: {"changed": summed[3 + i], "numel": numel[k]} for i, k in enumerate(kinds)}
+        sizes = {e: summed[3 + len(kinds) + i] for i, e in enumerate(encs)} if report.mode == "delta" else {}
+        counts = dict(zip(fmt, summed[3 + len(kinds) + len(encs):]))
         return replace(report, changed=summed[0], payload_bytes=summed[1], numel=sum(numel.values()),
-                       dense_bytes=dense, by_layer_type=by_kind, bytes_by_encoding=sizes,
+                       dense_bytes=summed[2], by_layer_type=by_kind, bytes_by_encoding=sizes, engine_format=counts,
                        times={**report.times, "total_slowest_rank": slowest})
 
     # -- hook and shutdown -------------------------------------------------------------------------

@@ -135,14 +135,15 @@ class Fanout:
 
     def resync_payloads(self, names: Sequence[str], target: int, key: bytes | None, model: str = "",
                         run: str = "") -> dict[int, list[bytes]]:
-        """Per engine rank, one resync payload with its views of the trainer-side ``names``."""
+        """Per engine rank, one resync payload with its views of the trainer-side canonical ``names``
+        (their engine tensors: the mirror's format names them)."""
         current = self.mirror.current(names)
         out = {}
         for rank, placement in self.routes.items():
             views = {}
-            for n in names:
+            for n, t in current.items():
                 if n in placement:
-                    flat = current[n].reshape(-1)
+                    flat = t.reshape(-1)
                     views[n] = flat[torch.from_numpy(placement[n].runs.expand()[0])]
             out[rank] = [resync_payload(views, target, key, model=model, run=run)]
         return out

@@ -59,9 +59,11 @@ class SenderMirror:
         return [encode_deltas(g, self.bits, identity, encoding, key, self.checksums, self.indexes)
                 for g in groups]
 
-    def stage(self, deltas: Sequence[SparseDelta], version: int) -> None:
-        """Hold ``deltas`` (canonical, with mirror old bits) until :meth:`commit` of ``version``."""
+    def stage(self, deltas: Sequence[SparseDelta], version: int) -> list[SparseDelta]:
+        """Hold ``deltas`` (canonical, with mirror old bits) until :meth:`commit` of ``version``;
+        returns what the engine receives for them (here: the same deltas)."""
         self._staged = (version, list(deltas))
+        return self._staged[1]
 
     def current(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Trainer-side bits (mirror plus staged changes) of ``names`` as tensors."""
@@ -97,6 +99,33 @@ class SenderMirror:
         next refit encodes in proportion to its changes instead of building them on first use."""
         for n, bits in self.bits.items():
             self.indexes.get(n, bits, DTYPES[self.meta[n][0]], self.checksums[n])
+
+    def settle(self, names: Sequence[str], version: int) -> None:
+        """The engine holds the trainer-side bits (:meth:`current`) of ``names`` at ``version``."""
+        self.reset(self.current(names), version)
+
+    # -- the engine format: the engine holds the canonical tensors (see refit/formats.py) ------------
+
+    def engine_names(self, names: Sequence[str]) -> list[str]:
+        """The engine tensors of canonical tensors ``names`` (here: the same names)."""
+        return list(names)
+
+    def canonical_name(self, engine_name: str) -> str:
+        """The canonical tensor an engine tensor belongs to (here: itself)."""
+        return engine_name
+
+    def trainer_side(self, checksums: Mapping[str, int]) -> Mapping[str, int]:
+        """The trainer's partial checksums to compare with the engine's: its live params' own
+        (``checksums``), independent of this mirror."""
+        return checksums
+
+    def telemetry(self, encoding: str | None) -> dict[str, int]:
+        """Counts of the engine format for the report (none for canonical tensors)."""
+        return {}
+
+    def dense_bytes(self) -> int:
+        """Bytes of the mirrored tensors whole (what a dense refit of them sends)."""
+        return sum(int(np.prod(s)) * DTYPES[d].width for d, s in self.meta.values())
 
     def reset(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """After a resync: the engine holds ``tensors`` (owned names) at ``version``."""

@@ -37,6 +37,14 @@ class RefitReport:
         times: wall seconds per phase on this rank (``capture``, ``remap``, ``route``,
             ``encode``, ``send``, ``await``, ``verify``, ``commit``; ``total``).
         verify: the last comparison of trainer and engine checksums (None: not checked).
+        engine_format: counts of the engine format (``dcr.engine_format: fp8``; refit/formats.py):
+            ``fp8_elements`` and ``fp8_blocks`` of the FP8 weights, ``fp8_changed`` FP8 bytes and
+            ``fp8_bf16_changed`` BF16 elements of them that changed, ``scale_changes``,
+            ``blocks_touched``, ``blocks_rescanned``, ``fp8_dense_bytes`` (FP8 bytes + scales
+            whole) and, with telemetry encodings, ``bf16_delta_bytes`` (the same version as a BF16
+            delta, encoded, not sent) and the FP8 weights' part alone: ``bf16_weights_delta_bytes``
+            (their BF16 delta) and ``fp8_weights_delta_bytes`` (their FP8 bytes and scales), each
+            encoded on its own, not sent.  Empty for a BF16 engine.
     """
 
     version: int
@@ -52,11 +60,18 @@ class RefitReport:
     by_layer_type: dict[str, dict[str, int]] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)
     verify: VerifyReport | None = None
+    engine_format: dict[str, int] = field(default_factory=dict)
 
     @property
     def density(self) -> float:
         """Changed elements over all elements."""
         return self.changed / max(self.numel, 1)
+
+    @property
+    def fp8_density(self) -> float | None:
+        """FP8 bytes changed over FP8 elements (None: the engine holds no FP8 weights)."""
+        f = self.engine_format
+        return f["fp8_changed"] / f["fp8_elements"] if f.get("fp8_elements") else None
 
     @property
     def verified(self) -> bool | None:

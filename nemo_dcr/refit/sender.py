@@ -28,6 +28,7 @@ from nemo_dcr.verify.checksum import MASK64
 from nemo_dcr.verify.report import VerifyReport, compare
 
 from .fanout import Fanout
+from .formats import Fp8Mirror
 from .group import TrainerGroup
 from .messages import QUERY_FULL, EngineReply
 from .mirror import SenderMirror
@@ -85,7 +86,8 @@ class RefitSender:
         transport: this trainer rank's endpoint of the refit group.
         engine_ranks: refit-group ranks of the engines.
         owners: canonical tensor -> owning trainer rank.
-        mirror: this rank's mirror of what the engine holds of its owned tensors.
+        mirror: this rank's mirror of what the engine holds of its owned tensors, in the engine's
+            format (a :class:`SenderMirror`, or an :class:`~.formats.Fp8Mirror`: see refit/formats.py).
         routes: placement per ``(engine rank, shard)`` (None: engines hold canonical tensors whole).
         model: model name carried in payload headers.
     """
@@ -96,7 +98,7 @@ class RefitSender:
     transport: Transport
     engine_ranks: Sequence[int]
     owners: Mapping[str, int]
-    mirror: SenderMirror
+    mirror: SenderMirror | Fp8Mirror
     routes: Mapping[tuple[int, int], RankPlacement] | None = None
     model: str = ""
     refits: int = 0
@@ -125,12 +127,14 @@ class RefitSender:
 
     # -- protocol pieces --------------------------------------------------------------------
 
-    def _encode(self, owned: Sequence[SparseDelta], ident: Identity) -> dict[tuple[int, int], list[bytes]]:
+    def _encode(self, owned: Sequence[SparseDelta], ident: Identity):
+        """Stage ``owned`` and encode what the engine receives for it (its format);
+        returns ``(engine changes, parts per (engine rank, shard))``."""
+        sent = self.mirror.stage(owned, ident.target_version)
         if self._fanout is None:
-            parts = self.mirror.encode(owned, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
-            return {(e, 0): parts for e in self.engine_ranks}
-        self.mirror.stage(owned, ident.target_version)
-        return self._fanout.encode(owned, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
+            parts = self.mirror.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
+            return sent, {(e, 0): parts for e in self.engine_ranks}
+        return sent, self._fanout.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
 
     def _commit(self, version: int) -> None:
         self.mirror.commit(version)
@@ -138,7 +142,7 @@ class RefitSender:
             self._fanout.commit(version)
 
     def _reset(self, names: Sequence[str], version: int) -> None:
-        self.mirror.reset(self.mirror.current(names), version)
+        self.mirror.settle(names, version)
         if self._fanout is not None:
             self._fanout.reset()
         if self.cfg.encoding == "dcr":  # after a (re)sync: the next refit's encode follows its changes
@@ -191,13 +195,15 @@ class RefitSender:
         for r in replies:  # routed: canonical partial sums of each rank; else every rank's full values
             for n, c in r.checksums.items():
                 engine[n] = (engine.get(n, 0) + c) & MASK64 if self._fanout is not None else c
-        totals = self.group.sum_u64(trainer, sorted(self.owners))
+        names = self.mirror.engine_names(sorted(self.owners))  # the engine's tensors, in one order on every rank
+        totals = self.group.sum_u64(self.mirror.trainer_side(trainer), names)
         return compare(totals, engine, max(r.version for r in replies), full)
 
     # -- the three entry points -------------------------------------------------------------
 
     def _telemetry(self, owned: Sequence[SparseDelta], encodings: Sequence[str]) -> dict[str, int]:
-        """Payload bytes of ``owned`` in other encodings (measured, not sent; before the mirror moves)."""
+        """Payload bytes of the engine changes ``owned`` in other encodings (measured, not sent;
+        before the mirror moves)."""
         out = {}
         for enc in encodings:
             if enc != self.cfg.encoding:
@@ -227,7 +233,7 @@ class RefitSender:
         with clock("encode"):
             owned = self.mirror.changes(routed)
             ident = Identity(self.model, "", self.mirror.version + base_skew, version + base_skew)
-            parts = self._encode(owned, ident)
+            sent_deltas, parts = self._encode(owned, ident)
         with clock("send"):
             sent = self._send(MessageKind.DELTA, version, parts, tamper)
         with clock("await"):
@@ -235,7 +241,8 @@ class RefitSender:
             ok = self.group.all_true(all(r.ok for r in replies))
         changed = sum(d.nnz for d in owned)
         with clock("telemetry"):
-            sizes = self._telemetry(owned, telemetry)
+            sizes = self._telemetry(sent_deltas, telemetry)
+            fmt = self.mirror.telemetry(self.cfg.encoding if telemetry else None)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             return self._recover(trainer_checksums, changed, sent, clock)
@@ -253,7 +260,7 @@ class RefitSender:
             k["changed"] += d.nnz
         return RefitReport(version, "delta", True, False, tuple(self._detected), changed, payload_bytes=sent,
                            bytes_by_encoding={self.cfg.encoding: sent, **sizes}, by_layer_type=kinds,
-                           times=clock.seconds, verify=report)
+                           times=clock.seconds, verify=report, engine_format=fmt)
 
     def attach(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitReport:
         """(Re)start: ``pieces`` are all nonzero elements (captured against a zero baseline).
@@ -302,7 +309,7 @@ class RefitSender:
                                    times=clock.seconds, verify=before)
         elif mode == "attach":
             self._detected.append("trainer and engine differ at (re)start: " + before.describe())
-        bad = {m.name for m in before.mismatches}
+        bad = {self.mirror.canonical_name(m.name) for m in before.mismatches}
         target = max(engine_version, self.mirror.version) + 1
         names = [n for n in self.owned if n in bad]
         return self._resync(names, target, trainer_checksums, changed, sent, clock, mode, before)

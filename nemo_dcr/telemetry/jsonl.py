@@ -7,11 +7,15 @@ Line schema (``schema`` = 1)::
      "density_by_layer_type": {"attention": 0.011, ...},
      "bytes": {"dcr": 1.1e6, "reference": 3.5e6, "dense": 2.7e8}, "payload_bytes": 1.1e6,
      "times": {"capture": 0.4, "remap": 0.2, ..., "total": 2.1}, "dense_refit_s": 6.0,
-     "verified": true, "bit_exact": true, "error": null}
+     "verified": true, "bit_exact": true, "error": null,
+     "engine_format": {"fp8_elements": 106168320, "fp8_changed": 359000, "scale_changes": 0, ...},
+     "fp8_density": 0.0034}
 
 ``times`` are the reporting trainer rank's phase times of the refit (``total_slowest_rank``: the
 slowest rank's total); ``dense_refit_s`` is a dense refit (gather + convert + load) of the same
-weights timed in the same step.
+weights timed in the same step.  ``engine_format`` holds the counts of an FP8 engine
+(:attr:`nemo_dcr.refit.RefitReport.engine_format`; empty for a BF16 engine) and ``fp8_density``
+its changed FP8 bytes over FP8 elements (null for a BF16 engine).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def step_record(step: int, report, **extra) -> dict:
         "payload_bytes": report.payload_bytes,
         "times": {k: round(v, 6) for k, v in report.times.items()},
         "verified": report.verified, "error": report.error, "committed": report.committed,
-        "resynced": report.resynced, "detected": list(report.detected), **extra,
+        "resynced": report.resynced, "detected": list(report.detected),
+        "engine_format": dict(report.engine_format), "fp8_density": report.fp8_density, **extra,
     }
 
 

@@ -52,3 +52,18 @@ def test_main_job_vllm_engine_two_steps_bit_exact(tmp_path):
 def test_transformers_engine_colocated_two_steps_bit_exact(tmp_path):
     s = _demo(tmp_path, 2, "engine.kind=hf", "engine.placement=colocated")
     assert s["engine"] == "hf" and s["engine_placement"] == "colocated" and s["attach_payload_bytes"] == 0
+
+
+def test_fp8_transformers_engine_one_step_bit_exact_against_independent_requantization(tmp_path):
+    """``engine.weights=fp8`` (engine.kind auto -> hf), colocated to keep it short: the step is
+    checked against the independent FP8 reference, and the FP8 figures come from what was sent."""
+    s = _demo(tmp_path, 1, "engine.weights=fp8", "engine.placement=colocated")
+    assert s["engine"] == "hf" and s["engine_weights"] == "fp8" and s["attach_payload_bytes"] == 0
+    f = s["fp8"]
+    assert f["bit_exact_per_step"] == [True] and 0 < f["fp8_changed"] < f["fp8_elements"]
+    assert 0 < f["fp8_density_per_step"][0] < s["density_mean"]  # few BF16 changes move an e4m3 byte
+    assert f["fp8_delta_bytes_per_step"] == [s["delta_bytes_total"]]
+    assert 0 < f["fp8_delta_bytes_per_step"][0] < f["bf16_delta_bytes_per_step"][0]
+    assert f["fp8_dense_bytes_per_step"] == [s["dense_bytes_total"]]
+    assert f["fp8_weights_dense_bytes"] < s["dense_bytes_total"] and len(f["scale_changes_per_step"]) == 1
+    assert 0 < f["fp8_weights_delta_bytes_per_step"][0] < f["bf16_weights_delta_bytes_per_step"][0]

@@ -43,11 +43,33 @@ def test_overrides_win_and_parse_yaml_values():
     ("dcr.transport=inprocess", "dcr.transport", "separate engine is reached over a gloo group"),
     ("trainer.ep=2", "trainer.ep", "dense model"),
     ("nosuch.key=1", "nosuch", "unknown key"),
+    ("engine.kind=vllm engine.weights=fp8", "engine.weights", "transformers engine"),
+    ("engine.weights=int4", "engine.weights", "must be one of"),
+    ("dcr.engine_format=fp8", "dcr.engine_format", "set both alike"),
+    ("dcr.fp8_granularity=row", "dcr.fp8_granularity", "must be one of"),
+    ("dcr.fp8_block=[0,128]", "dcr.fp8_block", "two sizes"),
+    ("dcr.fp8_block=[128]", "dcr.fp8_block", "two sizes"),
+    ("dcr.fp8_keep=['']", "dcr.fp8_keep", "non-empty"),
 ])
 def test_bad_values_are_refused_naming_the_key(override, key, text):
     with pytest.raises(ConfigError) as err:
-        load_config(CFG, [override])
+        load_config(CFG, override.split())
     assert err.value.key == key and text in str(err.value) and str(err.value).startswith(key)
+
+
+def test_fp8_weights_select_the_fp8_engine_format():
+    from nemo_dcr.config.schema import FP8_GRANULARITIES
+    from nemo_dcr.quant.fp8 import GRANULARITIES
+
+    cfg = load_config(CFG, ["engine.kind=hf", "engine.placement=colocated", "engine.weights=fp8",
+                            "dcr.fp8_keep=['*norm*']"])
+    assert cfg.dcr.engine_format == "fp8" and cfg.dcr.fp8_block == [128, 128] and cfg.dcr.fp8_keep == ["*norm*"]
+    default = load_config(CFG)
+    assert default.dcr.engine_format == "bf16" and default.engine.kind == "vllm"  # engine.kind: auto
+    auto = load_config(CFG, ["engine.weights=fp8"])
+    assert (auto.engine.kind, auto.engine.placement, auto.dcr.engine_format) == ("hf", "separate", "fp8")
+    assert "kind: hf" in to_yaml(auto)  # the run's config.yaml names the engine it ran
+    assert FP8_GRANULARITIES == GRANULARITIES
 
 
 @pytest.mark.parametrize("override", ["foo", "=1", "+dcr.x=1", "~dcr.url="])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fp8_reference import quantize_ref
 
 from nemo_dcr import codec, quant
 from nemo_dcr.types import SparseDelta, bits_view
+from nemo_dcr.verify.fp8_reference import quantize_ref
 
 NAME, SCALE = "l.weight", "l.weight_scale_inv"
 PLAN = quant.Fp8Plan.build({NAME: (256, 384)})

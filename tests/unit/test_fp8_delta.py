@@ -1,6 +1,6 @@
 """FP8 delta: engine bytes + scales after codec encode/decode/apply == independent full re-quantization.
 
-The engine starts from the reference quantization of the old target (tests/unit/fp8_reference.py),
+The engine starts from the reference quantization of the old target (nemo_dcr/verify/fp8_reference.py),
 the trainer state is the reference's block maxima, and after every applied payload the engine's
 tensors are compared by integer views with the reference quantization of the whole new target.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fp8_reference import quantize_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_dcr import codec, quant
 from nemo_dcr.checkpoint import load_checkpoint
 from nemo_dcr.types import bits_view
+from nemo_dcr.verify.fp8_reference import quantize_ref
 
 MODES = ("ulp", "grow", "shrink", "zero_blocks", "signs", "mixed")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fp8_reference import quantize_ref
 from torch import nn
 
 from nemo_dcr import codec, quant
 from nemo_dcr.types import bits_view
+from nemo_dcr.verify.fp8_reference import quantize_ref
 
 
 class Block(nn.Module):

@@ -1,16 +1,16 @@
-"""The FP8 quantizer against an independent reference (tests/unit/fp8_reference.py), bit for bit."""
+"""The FP8 quantizer against an independent reference (nemo_dcr/verify/fp8_reference.py), bit for bit."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from fp8_reference import e4m3_bits, quantize_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemo_dcr import quant
 from nemo_dcr.types import bits_view
+from nemo_dcr.verify.fp8_reference import e4m3_bits, quantize_ref
 
 SCHEMES = [quant.Fp8Scheme("block", (128, 128)), quant.Fp8Scheme("block", (16, 8)),
            quant.Fp8Scheme("channel"), quant.Fp8Scheme("tensor")]

@@ -5,6 +5,13 @@ into them through integer views (:class:`nemo_dcr.apply.TensorEngine`), so no st
 copied or reloaded.  ``generate`` holds the engine's read guard for the whole call, so a
 generation never sees two versions.  Tied embeddings appear once (``named_parameters``
 de-duplicates shared storage), which is also the canonical HF naming.
+
+With an FP8 plan (``dcr.engine_format: fp8``, docs/fp8.md) the planned linear layers become
+:class:`~nemo_dcr.quant.Fp8Linear` holding the quantized weights (``X.weight`` bytes and
+``X.weight_scale_inv`` scales, weight-only FP8 on CPU); the engine's tensors are then those plus
+the kept BF16 parameters.  Every transaction runs the engine-side FP8 checks before writing
+(:class:`~nemo_dcr.quant.Fp8TransactionCheck`), and the layers a version touched drop their
+dequantized copy before the version commits (readers wait for the commit, so none sees a stale one).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from nemo_dcr import quant
 from nemo_dcr.apply import ApplyResult, TensorEngine
 
 
@@ -33,17 +41,32 @@ class HFEngine:
         dtype: serving dtype of the parameters.
         version: the version the weights hold.
         key: HMAC key every payload must carry.
+        fp8_plan: hold the plan's FP8 weights quantized (a :class:`~nemo_dcr.quant.Fp8Plan` built
+            from this model's parameter names and shapes; None: every parameter in ``dtype``).
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, version: int = 0,
-                 key: bytes | None = None):
+                 key: bytes | None = None, fp8_plan: quant.Fp8Plan | None = None):
         self.model = model.to(dtype).eval()
         tensors = {n: p.data for n, p in self.model.named_parameters()}
         bad = [n for n, t in tensors.items() if not t.is_contiguous()]
         if bad:
             raise ValueError(f"parameters must be contiguous for in-place apply: {bad[:5]}")
+        self.fp8_plan = fp8_plan
+        self._fp8_layers: dict[str, quant.Fp8Linear] = {}
+        if fp8_plan is not None:
+            tensors = self._quantize(tensors, fp8_plan)
         self.engine = TensorEngine(tensors, version, key)
+        if fp8_plan is not None:
+            self.engine.check = quant.Fp8TransactionCheck(fp8_plan)
         self.engine.build_indexes()  # the first refit then decodes in proportion to its changes
+
+    def _quantize(self, tensors: dict[str, torch.Tensor], plan: quant.Fp8Plan) -> dict[str, torch.Tensor]:
+        """Swap the planned linear layers for FP8 ones; returns the engine's tensors."""
+        engine, _ = plan.quantize_model(tensors)
+        layers = quant.to_fp8_linears(self.model, plan, engine)
+        self._fp8_layers = {n: layer for w, layer in layers.items() for n in (w, plan.scale_names[w])}
+        return {n: engine[n] for n in plan.engine_names()}
 
     @classmethod
     def from_config(cls, config, seed: int = 0, **kwargs) -> "HFEngine":
@@ -72,11 +95,20 @@ class HFEngine:
 
     def apply(self, parts: Sequence[bytes]) -> ApplyResult:
         """Apply one version in place (transactional); returns touched tensors and counts."""
-        return self.engine.apply(parts)
+        return self._commit(self.engine.prepare(parts))
 
     def resync(self, parts: Sequence[bytes]) -> ApplyResult:
         """Full resync in place (transactional)."""
-        return self.engine.resync(parts)
+        return self._commit(self.engine.prepare(parts, resync=True))
+
+    def _commit(self, prepared: ApplyResult) -> ApplyResult:
+        """Commit a prepared version; FP8 layers it touched drop their dequantized weight first
+        (the write guard is still held, so the next generation sees only the new version)."""
+        for name in prepared.touched:
+            layer = self._fp8_layers.get(name)
+            if layer is not None:
+                layer.refresh()
+        return self.engine.commit()
 
     def serving(self):
         """Hold the current version for one generation (a context manager yielding it)."""

@@ -1,4 +1,5 @@
-"""Independent reference of the FP8 block quantization convention, for the tests only.
+"""Independent reference of the FP8 block quantization convention (docs/fp8.md), for the tests
+and the demo's per-step check of an FP8 engine (:func:`fp8_mismatches`).
 
 Written from the convention (DeepGEMM / vLLM ``per_block_cast_to_fp8``), not from
 ``nemo_dcr.quant``: a plain loop over blocks in numpy float32, and its own float32 -> e4m3fn
@@ -7,6 +8,8 @@ subnormals ``m * 2**-9``, 0x7F NaN), round to nearest, ties to the even code. No
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -50,3 +53,31 @@ def quantize_ref(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """float32 values of bf16 bit patterns."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def fp8_mismatches(engine: Mapping[str, np.ndarray], dense: Mapping[str, np.ndarray],
+                   fp8: Mapping[str, tuple[tuple[int, int], str]]) -> list[str]:
+    """Engine tensors that differ from the reference quantization of a dense BF16 export.
+
+    Args:
+        engine: the engine's tensors as unsigned bits, shaped (uint8 FP8 bytes, uint32 fp32
+            scales, uint16 bf16 kept tensors).
+        dense: the BF16 target of every canonical tensor as uint16 bits, shaped.
+        fp8: FP8 weight name -> (its block, its scale tensor's name); every other canonical
+            tensor must be held as it is.
+
+    Returns:
+        Names (engine tensors, and canonical ones the engine lacks or holds extra), sorted;
+        empty when the engine holds exactly the reference quantization of ``dense``.
+    """
+    want: dict[str, np.ndarray] = {}
+    for name, bits in dense.items():
+        if name in fp8:
+            block, scale_name = fp8[name]
+            q, scale, _ = quantize_ref(bf16_to_f32(bits), block)
+            want[name], want[scale_name] = q, scale.view(np.uint32)
+        else:
+            want[name] = bits
+    names = set(want) | set(engine)
+    return sorted(n for n in names if n not in want or n not in engine or engine[n].shape != want[n].shape
+                  or engine[n].dtype != want[n].dtype or not np.array_equal(engine[n], want[n]))
