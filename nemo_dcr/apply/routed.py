@@ -132,6 +132,11 @@ class RoutedEngine:
                 self._canonical = {n: self._scan(n) for n in self.placement}
         return dict(self._canonical)
 
+    def view_checksums(self) -> dict[str, int]:
+        """Checksum of every view this rank holds, in view index space (replicated elements
+        included): what the sender expects from its mirror, per engine rank."""
+        return self.inner.checksums()
+
     def serving(self):
         """Hold the current version for one generation."""
         return self.inner.serving()

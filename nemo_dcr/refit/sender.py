@@ -13,9 +13,10 @@ through the same protocol (a delta at 100% density).
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping, Sequence
 
 from nemo_dcr.apply.placement import RankPlacement
@@ -25,7 +26,7 @@ from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import MASK64
-from nemo_dcr.verify.report import VerifyReport, compare
+from nemo_dcr.verify.report import ChecksumMismatch, VerifyReport, compare
 
 from .fanout import Fanout
 from .group import TrainerGroup
@@ -180,13 +181,28 @@ class RefitSender:
         self.transport.flush()
         return self._await(code, (MessageKind.STATE,))
 
-    def _verify(self, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool) -> VerifyReport:
+    def _verify(self, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool,
+                current: bool = False) -> VerifyReport:
+        """Trainer totals against the engines' (summed) checksums; with routes also every engine
+        rank's own views against the mirror (``current``: against the trainer's state, mirror
+        plus staged changes), so a replica the sums count once (TP-replicated norms, a second
+        DP engine) cannot diverge unseen.  Collective; every rank gets the same report."""
         engine: dict[str, int] = {}
         for r in replies:  # routed: canonical partial sums of each rank; else every rank's full values
             for n, c in r.checksums.items():
                 engine[n] = (engine.get(n, 0) + c) & MASK64 if self._fanout is not None else c
         totals = self.group.sum_u64(trainer, sorted(self.owners))
-        return compare(totals, engine, max(r.version for r in replies), full)
+        report = compare(totals, engine, max(r.version for r in replies), full)
+        if self._fanout is None:
+            return report
+        # an engine that keeps no view checksums (answers without them) is checked by the sums only
+        views = {e: r.views if r.ok else None for e, r in zip(self.engine_ranks, replies) if r.views or not r.ok}
+        local, compared = self._fanout.view_mismatches(self.owned, views, self.mirror.current_bits if current else None)
+        seen = [json.loads(b) for b in self.group.exchange([json.dumps([compared, local]).encode()] * self.group.size)]
+        rows = sorted({tuple(m) for _, ms in seen for m in ms}, key=lambda m: (m[0], m[1]))
+        extra = tuple(ChecksumMismatch(n, want, got, where=f"engine rank {e}") for n, e, want, got in rows)
+        return replace(report, checked=report.checked + sum(c for c, _ in seen),
+                       mismatches=report.mismatches + extra)
 
     # -- the three entry points -------------------------------------------------------------
 
@@ -287,7 +303,7 @@ class RefitSender:
                  mode: str = "delta") -> RefitReport:
         with clock("verify"):
             state = self.query()
-            before = self._verify(trainer_checksums, state, full=True)
+            before = self._verify(trainer_checksums, state, full=True, current=True)
         engine_version = max(r.version for r in state)
         if before.ok and engine_version >= 0:
             self._reset(self.owned, engine_version)
