@@ -45,14 +45,15 @@ class RoutedEngine:
         placement: canonical name -> placement on this rank (with primary holders assigned).
         version: the version the params hold.
         key: HMAC key every payload must carry.
+        keep_index: keep ``dcr`` class indexes of the views (see :class:`~.engine.TensorEngine`).
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], placement: RankPlacement, version: int = 0,
-                 key: bytes | None = None):
+                 key: bytes | None = None, keep_index: bool = True):
         self.params = dict(params)
         self.placement = dict(placement)
         views = {n: ShardView(self.params[tp.param], tp.runs) for n, tp in self.placement.items()}
-        self.inner = TensorEngine(views, version, key)
+        self.inner = TensorEngine(views, version, key, keep_index)
         self._canonical = {n: self._scan(n) for n in self.placement}
 
     @property

@@ -43,6 +43,10 @@ class PluginOptions:
     (next to its CPU copy of them), ``pinned``, or ``file`` (``baseline_dir``)."""
     baseline_dir: str | None = None
     """Folder of the ``file`` baseline (local to each policy worker)."""
+    rollout_index: bool = True
+    """vLLM workers keep a ``dcr`` class index of the tensors they hold (host memory, about 2.3
+    bytes per element: decoding then costs in proportion to the changes); false: no such memory,
+    each refit ranks the touched tensors again."""
     telemetry: bool = True
     """Policy rank 0 appends one JSON line per sync to ``<url>/telemetry.jsonl``."""
     release_after_refit: bool = False

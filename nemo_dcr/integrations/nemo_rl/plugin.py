@@ -97,7 +97,8 @@ class DcrCheckpointEngine:
         if self.rollout is not None and self.rollout.topo.session == topo.session:
             return
         if self._engine is None:
-            self._engine = build_engine(self._worker, self._probe, topo, rollout_rank, self.key)
+            self._engine = build_engine(self._worker, self._probe, topo, rollout_rank, self.key,
+                                        self.options.rollout_index)
         self.rollout = RolloutSide(self._engine, topo, rollout_rank, self.key, self.options.timeout_s)
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
