@@ -58,6 +58,15 @@ class DcrCheckpointEngine:
         self._probe: tuple | None = None
         self._engine: InPlaceEngine | None = None
 
+    @property
+    def version(self) -> int | None:
+        """The refit version this engine's side holds: a vLLM worker's engine version, or the version
+        the policy's last sync left the engines at (None before either exists)."""
+        if self._engine is not None:
+            return self._engine.version
+        last = self.policy.last if self.policy is not None else None
+        return None if last is None else last.version
+
     def get_target_weight_layout(self) -> None:
         """None: the policy exports full HF tensors (every vLLM rank takes its part from the refit)."""
         return None
