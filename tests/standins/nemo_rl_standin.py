@@ -42,11 +42,17 @@ def create_checkpoint_engine(selector: str, bucket_size: int, refit_cfg: dict):
     return getattr(importlib.import_module(module), cls)(bucket_size=bucket_size, **kwargs)
 
 
+SKIPPED = "model.layers.0.self_attn.rotary_emb.inv_freq"
+"""An exported tensor vLLM's ``load_weights`` skips (NeMo-RL's dense refit hands it over anyway)."""
+
+
 def initial_state(dims: StandinDims, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The policy's canonical (HF) tensors: bf16, norms at one."""
+    """The policy's export: bf16 canonical tensors (norms at one) and one fp32 buffer vLLM skips."""
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.ones(s, dtype=torch.bfloat16) if len(s) == 1 else (torch.randn(s, generator=g) * 0.02).bfloat16()
-            for n, s in canonical_shapes(dims).items()}
+    out = {n: torch.ones(s, dtype=torch.bfloat16) if len(s) == 1 else (torch.randn(s, generator=g) * 0.02).bfloat16()
+           for n, s in canonical_shapes(dims).items()}
+    out[SKIPPED] = torch.rand(dims.head_dim // 2, generator=g)
+    return out
 
 
 def train_step(state: dict[str, torch.Tensor], seed: int, frac: float = 0.05) -> None:

@@ -81,6 +81,8 @@ class PolicySide:
         """
         seen, problems = set(), []
         for name, t in weights:
+            if name in self.topo.unloaded:  # vLLM's load_weights skips it: so does the refit
+                continue
             spec = self.topo.table.get(name)
             if spec is None or name in seen or tuple(t.shape) != spec[1] or t.dtype != DTYPES[spec[0]].torch_dtype:
                 why = "twice" if name in seen else "unknown" if spec is None else f"{t.dtype}{list(t.shape)} vs {spec}"

@@ -56,7 +56,10 @@ class Topology:
         folder: the session's folder under the shared ``url``.
         train_world: policy workers (refit-group ranks ``0..T-1``).
         rollout_world: vLLM workers (refit-group ranks ``T..T+R-1``).
-        table: canonical tensors, name -> (wire dtype, shape), from the rollout workers.
+        table: canonical tensors the refit carries, name -> (wire dtype, shape): the export's
+            tensors (from the vLLM workers' ``state_dict_info``) that some vLLM worker loads.
+        unloaded: exported tensors no vLLM worker's ``load_weights`` loads (a tied ``lm_head``):
+            NeMo-RL's dense refit hands them to vLLM, which skips them; the refit skips them too.
         nonces: every engine's nonce, in metadata order.
         blobs: each rollout worker's packed ``{"placement": ...}`` (rollout rank order).
     """
@@ -66,6 +69,7 @@ class Topology:
     train_world: int
     rollout_world: int
     table: dict[str, tuple[str, tuple[int, ...]]]
+    unloaded: frozenset[str]
     nonces: tuple[str, ...]
     blobs: tuple[bytes, ...]
 
@@ -93,9 +97,11 @@ class Topology:
         tables = {m["table_sha"] for m in rollout}
         if len(tables) != 1:
             raise ValueError(f"the rollout workers hold {len(tables)} different canonical tables")
-        table = {n: (d, tuple(s)) for n, (d, s) in unpack(rollout[0]["table"]).items()}
-        return cls(session, f"{url.rstrip('/')}/session-{session}", train_world, rollout_world, table, nonces,
-                   tuple(m["placement"] for m in rollout))
+        exported = {n: (d, tuple(s)) for n, (d, s) in unpack(rollout[0]["table"]).items()}
+        placed = set().union(*(m["placed"] for m in rollout))
+        table = {n: spec for n, spec in exported.items() if n in placed}
+        return cls(session, f"{url.rstrip('/')}/session-{session}", train_world, rollout_world, table,
+                   frozenset(exported) - placed, nonces, tuple(m["placement"] for m in rollout))
 
     def placements(self) -> list[dict[str, TensorPlacement]]:
         """Every rollout worker's placement (no primaries), in rollout rank order."""
@@ -106,7 +112,7 @@ def rollout_metadata(nonce: str, table: Mapping, placement_json: Mapping) -> dic
     """What a vLLM worker's ``prepare()`` returns."""
     table_blob = pack({n: [d, list(s)] for n, (d, s) in sorted(table.items())})
     return {TAG: "rollout", "nonce": nonce, "table": table_blob, "table_sha": hashlib.sha256(table_blob).hexdigest(),
-            "placement": pack(placement_json)}
+            "placement": pack(placement_json), "placed": sorted(placement_json)}
 
 
 def policy_metadata(nonce: str) -> dict:
@@ -146,12 +152,15 @@ class SyncTransport:
         return self._inner
 
     def send(self, dst: int, env: Envelope) -> None:
+        """Send within the current sync's folder."""
         self._t().send(dst, env)
 
     def flush(self) -> None:
+        """See :meth:`StoreTransport.flush`."""
         self._t().flush()
 
     def recv(self, src: int | None = None, timeout: float | None = None) -> Envelope:
+        """Receive from the current sync's folder."""
         return self._t().recv(src, timeout)
 
 
@@ -172,7 +181,10 @@ def remove_stale(session_folder: str, sync: int, inbox: int | None = None) -> li
         if not name.startswith("sync-") or not name[5:].isdigit():
             continue
         n = int(name[5:])
-        target = f"{path}/to-{inbox}" if inbox is not None and n < sync else path if n < sync - 1 else None
+        if inbox is not None:
+            target = f"{path}/to-{inbox}" if n < sync else None
+        else:
+            target = path if n < sync - 1 else None
         if target is not None and _remove(fs, target):
             gone.append(target)
     return gone
