@@ -202,10 +202,14 @@ class Synchronizer:
             self.init_communicator()
         calls = [w.send_weights_via_checkpoint_engine for w in self.policy]
         calls += [w.update_weights_from_checkpoint_engine for w in self.rollout]
-        results = self._all(calls)
-        if not all(r for r in results[len(self.policy):] if r is not None):
-            raise RuntimeError("Weight transfer failed during checkpoint-engine sync.")
-        self.is_stale = False
+        try:
+            results = self._all(calls)
+            if not all(r for r in results[len(self.policy):] if r is not None):
+                raise RuntimeError("Weight transfer failed during checkpoint-engine sync.")
+            self.is_stale = False
+        finally:
+            if self.refit_cfg.get("release_after_refit"):
+                self.shutdown()
 
     def shutdown(self) -> None:
         for w in self.policy + self.rollout:

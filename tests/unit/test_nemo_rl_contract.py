@@ -111,6 +111,20 @@ def test_each_policy_worker_keeps_only_its_owned_tensors(refit_cfg):
         assert {t.data_ptr() for t in w.checkpoint_engine._engine.params.values()} <= live
 
 
+def test_release_after_refit_keeps_the_session(refit_cfg):
+    state = initial_state(D)
+    policy, engines = policy_workers(state), vllm_engines(D, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, {**refit_cfg, "release_after_refit": True})
+    modes = []
+    for step in range(3):  # NeMo-RL finalizes every engine after each sync and re-initialises them
+        if step:
+            step_all(state, policy, step)
+        sync.sync_weights()
+        assert not sync._ready and mismatches(state, engines) == []
+        modes.append(policy[0].checkpoint_engine.policy.last.mode)
+    assert modes == ["attach", "delta", "delta"]  # the same engine objects: the same session
+
+
 def test_policy_restart_mid_run(refit_cfg):
     state = initial_state(D)
     engines = vllm_engines(D, 1, TP)
