@@ -46,7 +46,7 @@ def ensure_steps(run: Path) -> tuple[Path, Path]:
 def placement_table(engine) -> list[str]:
     """One row per (canonical pattern -> vLLM param pattern) with shapes; layer indices folded."""
     rows = {}
-    for name, p in engine.placements()[0].items():
+    for name, p in engine.placement_json()[0].items():
         key = (re.sub(r"\.\d+\.", ".N.", name), re.sub(r"\.\d+\.", ".N.", p["param"]))
         rows.setdefault(key, (p["shape"], p["param_shape"], len(p["canon"]), 0))
         s, ps, runs, n = rows[key]

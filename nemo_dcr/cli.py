@@ -23,6 +23,7 @@ COMMANDS = {
     "demo": "demo",
     "report": "report",
     "chaos": "chaos",
+    "plan": "plan",
 }
 
 

@@ -17,13 +17,13 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 
 from nemo_dcr.codec import DcrIndexes
-from nemo_dcr.types import int_view, spec_of
+from nemo_dcr.types import host_bits, int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
 
 from .errors import RefitRefusedError
 from .guard import VersionGuard
 from .shard_view import ShardView
-from .transaction import ApplyResult, FaultHook, Prepared, prepare_parts, prepare_resync
+from .transaction import ApplyResult, Bases, FaultHook, Prepared, prepare_parts, prepare_resync
 
 
 class PendingVersionError(RefitRefusedError):
@@ -116,6 +116,7 @@ class TensorEngine:
             if self.indexes is not None:  # only a committed version moves the indexes
                 if prepared.result.resync:
                     self.indexes.drop(prepared.result.touched)
+                    self.build_indexes(prepared.result.touched)
                 else:
                     self.indexes.update(prepared.result.deltas)
         return prepared.result
@@ -159,6 +160,17 @@ class TensorEngine:
                 self.indexes.keep_current(self._checksums)
             self.guard.version = version
         return dict(self._checksums)
+
+    def build_indexes(self, names=None) -> None:
+        """Build the kept ``dcr`` class indexes of ``names`` (default: every tensor) now, so the next
+        refit's decode costs in proportion to its changes (otherwise the first use builds them).
+        Called when the tensors were (re)loaded: after a resync, or by an engine at start."""
+        if self.indexes is None:
+            return
+        bases = Bases(self.tensors)
+        for name in self.tensors if names is None else names:
+            t = bases[name]
+            self.indexes.get(name, host_bits(t), spec_of(t.dtype), self._checksums[name])
 
     def _commit(self, result: ApplyResult) -> None:
         self._checksums.update(result.checksums)

@@ -54,6 +54,7 @@ class RoutedEngine:
         self.placement = dict(placement)
         views = {n: ShardView(self.params[tp.param], tp.runs) for n, tp in self.placement.items()}
         self.inner = TensorEngine(views, version, key, keep_index)
+        self.inner.build_indexes()  # the first refit then decodes in proportion to its changes (if kept)
         self._canonical = {n: self._scan(n) for n in self.placement}
 
     @property

@@ -48,7 +48,7 @@ Live = Union[torch.Tensor, ShardView]
 """A live tensor, or the view of a canonical tensor inside a fused/sharded engine param."""
 
 
-class _Bases(Mapping):
+class Bases(Mapping):
     """What ``decode`` checks payloads against: tensors as they are, views gathered on demand."""
 
     def __init__(self, tensors: Mapping[str, Live]):
@@ -207,7 +207,7 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
         DeltaFormatError, VersionMismatchError, IncompletePartsError: refused, nothing written.
         ApplyVerificationError, or whatever ``fault`` raises: rolled back exactly.
     """
-    decoded = [decode(p, _Bases(tensors), key, checksums, indexes) for p in parts]
+    decoded = [decode(p, Bases(tensors), key, checksums, indexes) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=False)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]
@@ -286,7 +286,7 @@ def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], 
             touched[d.name] = d.numel
             if fault is not None:
                 fault(d.name)
-            now = _Bases(tensors)[d.name]
+            now = Bases(tensors)[d.name]
             got = tensor_checksum(int_view(now).cpu().numpy().view(spec_of(now.dtype).uint))
             if got != int(records[d.name].target_checksum, 16):
                 raise ApplyVerificationError(f"{d.name}: checksum after resync {got:016x}, "

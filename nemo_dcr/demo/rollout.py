@@ -19,6 +19,8 @@ from nemo_dcr.demo.task import (
     exact_reward,
     group_advantages,
     make_problems,
+    pad_left,
+    prompt_ids,
     sample,
     shaped_reward,
 )
@@ -79,11 +81,40 @@ def to_batch(seqs: torch.Tensor, prompt_len: int, full_mask: torch.Tensor,
     return tokens, weights
 
 
+def sample_vllm(engine, tokenizer, problems, cfg: RLConfig, seed: int):
+    """:func:`~nemo_dcr.demo.task.sample` on a :class:`~nemo_dcr.integrations.vllm.engine.VllmEngine`:
+    the same prompts, pure sampling, the same ``(ids, mask, answer_mask, texts)`` layout (answers
+    padded with end-of-turn).  Call it under ``engine.serving()``."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    eos = tokenizer.eos_token_id
+    prompts = prompt_ids(tokenizer, problems)
+    params = vllm.SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_k=-1, top_p=1.0,
+                                 max_tokens=cfg.max_new_tokens, seed=seed)
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    answers = [list(c.token_ids) for o in outs for c in o.outputs]
+    width = max(len(a) for a in answers)
+    ans = torch.full((len(answers), width), eos, dtype=torch.long)
+    for i, a in enumerate(answers):
+        ans[i, :len(a)] = torch.tensor(a, dtype=torch.long)
+    ids, mask = pad_left(prompts, eos)
+    is_eos = (ans == eos).long()
+    answer_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()
+    seqs = torch.cat([ids.repeat_interleave(cfg.group_size, dim=0), ans], dim=1)
+    full_mask = torch.cat([mask.repeat_interleave(cfg.group_size, dim=0), answer_mask], dim=1)
+    return seqs, full_mask, answer_mask, tokenizer.batch_decode(ans, skip_special_tokens=True)
+
+
 def rollout(engine, tokenizer, rng: random.Random, cfg: RLConfig) -> RolloutBatch:
-    """Sample, score and batch one GRPO step's rollouts from one engine version."""
+    """Sample, score and batch one GRPO step's rollouts from one engine version (a transformers
+    :class:`~nemo_dcr.integrations.hf.engine.HFEngine` or a vLLM engine)."""
     problems = make_problems(rng, cfg.prompts_per_step)
-    with engine.engine.serving() as version:
-        seqs, full_mask, answer_mask, texts = sample(engine.model, tokenizer, problems, cfg)
+    with engine.serving() as version:
+        if hasattr(engine, "llm"):
+            seqs, full_mask, answer_mask, texts = sample_vllm(engine, tokenizer, problems, cfg, rng.randrange(1 << 30))
+        else:
+            seqs, full_mask, answer_mask, texts = sample(engine.model, tokenizer, problems, cfg)
     answers = [p.answer for p in problems for _ in range(cfg.group_size)]
     exact = torch.tensor([exact_reward(t, a) for t, a in zip(texts, answers)])
     shaped = torch.tensor([shaped_reward(t, a, cfg.partial_credit) for t, a in zip(texts, answers)])

@@ -24,7 +24,8 @@ in Megatron names are local to the chunk). See docs/layout.md.
 from nemo_dcr.layout.dims import ModelDims
 from nemo_dcr.layout.families import FAMILIES, Rule
 from nemo_dcr.layout.mappings import MegatronSpec
-from nemo_dcr.layout.models import MODELS, model_dims
+from nemo_dcr.layout.hf_config import dims_from_hf_config, unmodelled_fields
+from nemo_dcr.layout.models import HF_CONFIGS, MODELS, model_dims
 from nemo_dcr.layout.parallel import LayoutError, ParallelLayout, chunk_layers
 from nemo_dcr.layout.plan import LayoutPlan, ParamPlan, build_chunk_plans, build_plan
 from nemo_dcr.layout.shapes import canonical_shapes
@@ -32,6 +33,7 @@ from nemo_dcr.layout.transforms import Piece, RemapResult
 
 __all__ = [
     "FAMILIES",
+    "HF_CONFIGS",
     "LayoutError",
     "LayoutPlan",
     "MODELS",
@@ -46,5 +48,7 @@ __all__ = [
     "build_plan",
     "canonical_shapes",
     "chunk_layers",
+    "dims_from_hf_config",
     "model_dims",
+    "unmodelled_fields",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from nemo_dcr.layout.dims import ModelDims
 
 ShapeMap = dict[str, tuple[int, ...]]
@@ -77,13 +79,21 @@ def _ffn(d: ModelDims, p: str, layer: int) -> ShapeMap:
 
 
 def canonical_shapes(family: str, d: ModelDims) -> ShapeMap:
-    """Every canonical tensor of the model, name -> shape.
+    """Every canonical tensor of the model, name -> shape (a fresh dict the caller may keep).
+
+    Built once per model description and copied for each call: a plan is built per rank and
+    per model chunk, and a 1T MoE model has 70k canonical tensors.
 
     Args:
         family: a key of :data:`nemo_dcr.layout.families.FAMILIES` (the attention kind
             follows ``d.multi_latent_attention``; :func:`build_plan` checks they agree).
         d: model dimensions.
     """
+    return dict(_shapes_of(d))
+
+
+@lru_cache(maxsize=8)
+def _shapes_of(d: ModelDims) -> ShapeMap:
     out = _globals(d)
     for layer in range(d.num_layers):
         p = f"model.layers.{layer}."

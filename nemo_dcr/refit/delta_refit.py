@@ -176,7 +176,11 @@ class DeltaRefit:
         if failed:
             raise RuntimeError(f"engines did not answer the placement query: {failed}")
         if any(r.placement for r in replies):
-            routes = {e: placement_from_json(r.placement) for e, r in zip(self.wiring.engine_ranks, replies)}
+            missing = [e for e, r in zip(self.wiring.engine_ranks, replies) if not r.placement]
+            if missing:
+                raise RuntimeError(f"engine ranks {missing} hold canonical tensors whole while others hold shards")
+            routes = {(e, s): placement_from_json(p) for e, r in zip(self.wiring.engine_ranks, replies)
+                      for s, p in enumerate(r.placement["shards"])}
             self.sender.set_routes(routes)
 
     def step(self, tamper: Tamper | None = None, base_skew: int = 0) -> RefitReport:

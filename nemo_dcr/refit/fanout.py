@@ -1,10 +1,20 @@
-"""Sender side of engine routing: each engine rank gets only the records for elements it holds.
+"""Sender side of engine routing: each engine shard gets only the records for elements it holds.
 
-With a placement per engine rank (:mod:`nemo_dcr.apply.placement`), the owner of a canonical
-tensor cuts its merged changes per engine rank with :meth:`Runs.select` (cost ∝ changes) into
-the rank's view index space and encodes them against the mirror's bits of that view, so the
-engine's codec checks (base/target checksums of the view) hold.  View checksums are computed
-once per (rank, tensor) and then moved by the encoded changes when the engine acknowledges.
+With a placement per engine shard (:mod:`nemo_dcr.apply.placement`), the owner of a canonical
+tensor cuts its merged changes per shard with :meth:`Runs.select` (cost ∝ changes) into the
+shard's view index space and encodes them against the mirror's bits of that view, so the engine's
+codec checks (base/target checksums of the view) hold.
+
+Two shortcuts keep the cost with the changes:
+
+* a *whole* view (a shard holding every element of the tensor, e.g. vLLM at TP=1 packing
+  ``q_proj`` into ``qkv_proj``: the view index is the canonical index) is the mirror itself: no
+  gather of the view's bits, the mirror's checksum and its kept ``dcr`` class index;
+* shards with the same view of every tensor they receive (engine data-parallel replicas) share one
+  encoding: the payload parts are made once and sent to each of them.
+
+Checksums of partial views are computed once per distinct view and then moved by the encoded
+changes when the engines acknowledge.
 """
 
 from __future__ import annotations
@@ -29,39 +39,50 @@ class Fanout:
     """Per-engine-rank encoding for the tensors this trainer rank owns.
 
     Args:
-        routes: engine rank -> its placement (canonical name -> held elements).
+        routes: route key (``(engine rank, shard)``) -> its placement (canonical name -> held elements).
         mirror: this trainer rank's sender mirror (canonical index space).
     """
 
-    routes: Mapping[int, RankPlacement]
+    routes: Mapping[object, RankPlacement]
     mirror: SenderMirror
-    _checksums: dict[tuple[int, str], int] = field(default_factory=dict)
-    _staged: tuple[int, dict[int, list[SparseDelta]]] | None = None
+    _checksums: dict[tuple[str, bytes], int] = field(default_factory=dict)
+    _staged: tuple[int, dict[object, list[SparseDelta]]] | None = None
 
-    def view_bits(self, rank: int, name: str, bits: np.ndarray | None = None) -> np.ndarray:
+    def __post_init__(self):
+        self._views = {(r, n): (n, tp.runs.canon.tobytes() + tp.runs.length.tobytes())
+                       for r, placement in self.routes.items() for n, tp in placement.items()}
+
+    def whole(self, rank, name: str) -> bool:
+        """``rank``'s view of ``name`` is every element in canonical order (view index = canonical)."""
+        tp = self.routes[rank][name]
+        return tp.numel == int(np.prod(tp.shape)) if tp.shape else tp.numel == 1
+
+    def view_bits(self, rank, name: str, bits: np.ndarray | None = None) -> np.ndarray:
         """Mirror bits (or ``bits``, canonical flat) of ``name`` in ``rank``'s view order."""
+        source = self.mirror.bits[name] if bits is None else bits
+        if self.whole(rank, name):
+            return source
         canon, _ = self.routes[rank][name].runs.expand()
-        return (self.mirror.bits[name] if bits is None else bits)[canon]
+        return source[canon]
 
-    def _checksum(self, rank: int, name: str) -> int:
-        key = (rank, name)
+    def _checksum(self, rank, name: str) -> int:
+        if self.whole(rank, name):
+            return self.mirror.checksums[name]
+        key = self._views[(rank, name)]
         if key not in self._checksums:
             self._checksums[key] = tensor_checksum(self.view_bits(rank, name))
         return self._checksums[key]
 
-    def view_checksum(self, rank: int, name: str) -> int:
-        """What engine ``rank`` must report for its view of ``name`` (from the committed mirror)."""
-        return self._checksum(rank, name)
-
-    def view_mismatches(self, names: Sequence[str], views: Mapping[int, Mapping[str, int] | None],
+    def view_mismatches(self, names: Sequence[str], views: Mapping[object, Mapping[str, int] | None],
                         current: Callable[[str], np.ndarray] | None = None
-                        ) -> tuple[list[tuple[str, int, int, int | None]], int]:
-        """Compare the views of ``names`` each engine rank in ``views`` reported (None: it did not
-        answer, so every view it holds differs) with the expected values: from the committed
-        mirror, or from ``current(name)`` (canonical flat bits: the trainer's state) when given.
+                        ) -> tuple[list[tuple[str, object, int, int | None]], int]:
+        """Compare the views of ``names`` each engine shard in ``views`` (route key -> what it
+        reported; None: it did not answer, so every view it holds differs) reported with the
+        expected values: from the committed mirror, or from ``current(name)`` (canonical flat bits:
+        the trainer's state) when given.
 
         Returns:
-            ``(name, rank, expected, reported)`` of each differing view, and the views compared.
+            ``(name, route key, expected, reported)`` of each differing view, and the views compared.
         """
         out, compared = [], 0
         for name in names:
@@ -76,13 +97,16 @@ class Fanout:
                     out.append((name, rank, want, got))
         return out, compared
 
-    def split(self, deltas: Sequence[SparseDelta]) -> dict[int, list[SparseDelta]]:
-        """Canonical deltas cut into each engine rank's view index space (held elements only)."""
-        out: dict[int, list[SparseDelta]] = {r: [] for r in self.routes}
+    def split(self, deltas: Sequence[SparseDelta]) -> dict[object, list[SparseDelta]]:
+        """Canonical deltas cut into each engine shard's view index space (held elements only)."""
+        out: dict[object, list[SparseDelta]] = {r: [] for r in self.routes}
         for rank, placement in self.routes.items():
             for d in deltas:
                 tp = placement.get(d.name)
                 if tp is None:
+                    continue
+                if self.whole(rank, d.name):
+                    out[rank].append(SparseDelta(d.name, d.dtype, (tp.numel,), d.positions, d.new_bits, d.old_bits))
                     continue
                 held, view, _ = tp.runs.select(d.positions)
                 old = None if d.old_bits is None else d.old_bits[held]
@@ -90,25 +114,42 @@ class Fanout:
         return out
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
-               max_changes: int) -> dict[int, list[bytes]]:
-        """Payload parts per engine rank (at least one each); stages the changes."""
+               max_changes: int) -> dict[object, list[bytes]]:
+        """Payload parts per engine shard (at least one each); stages the changes.  Shards with the
+        same views of the tensors they receive share one encoding."""
         per_rank = self.split(deltas)
         self._staged = (identity.target_version, per_rank)
-        out = {}
+        out: dict[object, list[bytes]] = {}
+        made: dict[tuple, list[bytes]] = {}
         for rank, ds in per_rank.items():
-            base = {d.name: self.view_bits(rank, d.name) for d in ds}
-            cks = {d.name: self._checksum(rank, d.name) for d in ds}
-            groups = list(buckets(ds, max_changes)) or [[]]
-            out[rank] = [encode_deltas(g, base, identity, encoding, key, cks) for g in groups]
+            signature = tuple(self._views[(rank, d.name)] for d in ds)
+            if signature not in made:
+                made[signature] = self._encode_views(rank, ds, identity, encoding, key, max_changes)
+            out[rank] = made[signature]
         return out
 
+    def _encode_views(self, rank, ds: Sequence[SparseDelta], identity: Identity, encoding: str,
+                      key: bytes | None, max_changes: int) -> list[bytes]:
+        base = {d.name: self.view_bits(rank, d.name) for d in ds}
+        cks = {d.name: self._checksum(rank, d.name) for d in ds}
+        whole = all(self.whole(rank, d.name) for d in ds)
+        indexes = self.mirror.indexes if whole else None  # a whole view is the mirror: its kept index
+        groups = list(buckets(ds, max_changes)) or [[]]
+        return [encode_deltas(g, base, identity, encoding, key, cks, indexes) for g in groups]
+
     def commit(self, version: int) -> None:
-        """The engines acknowledged ``version``: move the view checksums by the staged changes."""
+        """The engines acknowledged ``version``: move the partial views' checksums by the staged
+        changes, once per distinct view (whole views follow the mirror, committed before this)."""
         if self._staged is not None and self._staged[0] == version:
+            moved = set()
             for rank, ds in self._staged[1].items():
                 for d in ds:
-                    ck = self._checksum(rank, d.name)
-                    self._checksums[(rank, d.name)] = updated_checksum(ck, d.positions, d.old_bits, d.new_bits)
+                    view = self._views[(rank, d.name)]
+                    if self.whole(rank, d.name) or view in moved:
+                        continue
+                    moved.add(view)
+                    self._checksums[view] = updated_checksum(self._checksum(rank, d.name), d.positions,
+                                                             d.old_bits, d.new_bits)
         self._staged = None
 
     def reset(self) -> None:

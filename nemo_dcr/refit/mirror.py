@@ -98,6 +98,12 @@ class SenderMirror:
         self._staged = None
         self.version = version
 
+    def build_indexes(self) -> None:
+        """Build the kept ``dcr`` class index of every owned tensor now (after a (re)sync), so the
+        next refit encodes in proportion to its changes instead of building them on first use."""
+        for n, bits in self.bits.items():
+            self.indexes.get(n, bits, DTYPES[self.meta[n][0]], self.checksums[n])
+
     def reset(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """After a resync: the engine holds ``tensors`` (owned names) at ``version``."""
         self._staged = None

@@ -9,6 +9,7 @@ head plus raw little-endian arrays (no pickle), so cost is proportional to the c
 
 from __future__ import annotations
 
+import heapq
 import json
 import struct
 from collections import defaultdict
@@ -22,13 +23,17 @@ _LEN = struct.Struct("<Q")
 
 
 def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
-    """Owner rank of every tensor: largest first onto the least-loaded rank (ties: lower rank)."""
-    load = [0] * world
+    """Owner rank of every tensor: largest first onto the least-loaded rank (ties: lower rank).
+
+    A heap of ``(load, rank)`` pops exactly the rank ``min(range(world), key=(load, rank))``
+    would pick, in O(log world) per tensor (70k tensors on 1024 ranks in well under a second).
+    """
+    heap = [(0, r) for r in range(world)]
     owners = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        rank = min(range(world), key=lambda r: (load[r], r))
+        load, rank = heapq.heappop(heap)
         owners[name] = rank
-        load[rank] += sizes[name]
+        heapq.heappush(heap, (load + sizes[name], rank))
     return owners
 
 

@@ -73,9 +73,11 @@ class PhaseClock:
 class RefitSender:
     """One trainer rank's side of the protocol.
 
-    With ``routes`` (engine rank -> placement, see docs/engines.md "Routing") each engine rank
-    receives only the records for the elements it holds, in its view index space, and the
-    engines' canonical partial checksums are summed; without, every engine rank gets every part.
+    With ``routes`` (``(engine rank, shard)`` -> placement, see docs/engines.md "Routing") each
+    engine shard receives only the records for the elements it holds, in its view index space, and
+    the engines' canonical partial checksums are summed; without, every engine rank gets every part
+    (shard 0).  An engine rank may serve several shards (vLLM's tensor-parallel ranks behind one
+    driver): its parts carry the shard in the envelope.
 
     Args:
         cfg: the ``dcr`` settings (encoding, part size, reply timeout, verification cadence).
@@ -85,7 +87,7 @@ class RefitSender:
         engine_ranks: refit-group ranks of the engines.
         owners: canonical tensor -> owning trainer rank.
         mirror: this rank's mirror of what the engine holds of its owned tensors.
-        routes: per engine rank placement (None: engines hold canonical tensors whole).
+        routes: placement per ``(engine rank, shard)`` (None: engines hold canonical tensors whole).
         model: model name carried in payload headers.
     """
 
@@ -96,7 +98,7 @@ class RefitSender:
     engine_ranks: Sequence[int]
     owners: Mapping[str, int]
     mirror: SenderMirror
-    routes: Mapping[int, RankPlacement] | None = None
+    routes: Mapping[tuple[int, int], RankPlacement] | None = None
     model: str = ""
     refits: int = 0
     _detected: list[str] = field(default_factory=list)
@@ -104,10 +106,11 @@ class RefitSender:
     def __post_init__(self):
         self.set_routes(self.routes)
 
-    def set_routes(self, routes: Mapping[int, RankPlacement] | None) -> None:
-        """Route records per engine rank from now on (placements the engines reported)."""
-        if routes is not None and set(routes) != set(self.engine_ranks):
-            raise ValueError(f"routes for ranks {sorted(routes)}, engine ranks {list(self.engine_ranks)}")
+    def set_routes(self, routes: Mapping[tuple[int, int], RankPlacement] | None) -> None:
+        """Route records per engine shard from now on (placements the engines reported)."""
+        if routes is not None and {e for e, _ in routes} != set(self.engine_ranks):
+            raise ValueError(f"routes for engine ranks {sorted({e for e, _ in routes})}, "
+                             f"engine ranks {list(self.engine_ranks)}")
         self.routes = routes
         self._fanout = None if routes is None else Fanout(routes, self.mirror)
 
@@ -123,10 +126,10 @@ class RefitSender:
 
     # -- protocol pieces --------------------------------------------------------------------
 
-    def _encode(self, owned: Sequence[SparseDelta], ident: Identity) -> dict[int, list[bytes]]:
+    def _encode(self, owned: Sequence[SparseDelta], ident: Identity) -> dict[tuple[int, int], list[bytes]]:
         if self._fanout is None:
             parts = self.mirror.encode(owned, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
-            return {e: parts for e in self.engine_ranks}
+            return {(e, 0): parts for e in self.engine_ranks}
         self.mirror.stage(owned, ident.target_version)
         return self._fanout.encode(owned, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
 
@@ -139,21 +142,24 @@ class RefitSender:
         self.mirror.reset(self.mirror.current(names), version)
         if self._fanout is not None:
             self._fanout.reset()
+        if self.cfg.encoding == "dcr":  # after a (re)sync: the next refit's encode follows its changes
+            self.mirror.build_indexes()
 
     def _route(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
         """Send each canonical piece to its owner; merge what this rank owns (refusing overlaps)."""
         out = [pack(b) for b in by_owner(pieces, self.owners, self.group.size)]
         return merge([d for blob in self.group.exchange(out) if blob for d in unpack(blob)])
 
-    def _send(self, kind: MessageKind, version: int, parts: Mapping[int, Sequence[bytes]],
+    def _send(self, kind: MessageKind, version: int, parts: Mapping[tuple[int, int], Sequence[bytes]],
               tamper: Tamper | None) -> int:
-        """Send every engine rank its parts and an end-of-version marker; returns payload bytes put
-        on the transport (after tampering: what really crossed)."""
+        """Send every engine rank its parts (numbered across its shards) and an end-of-version
+        marker; returns payload bytes put on the transport (after tampering: what really crossed)."""
         sent = 0
         for e in self.engine_ranks:
-            envs = [Envelope(kind, version, self.transport.rank, i, False, p) for i, p in enumerate(parts[e])]
+            mine = [(s, p) for (rank, s), ps in sorted(parts.items()) if rank == e for p in ps]
+            envs = [Envelope(kind, version, self.transport.rank, i, False, p, shard=s) for i, (s, p) in enumerate(mine)]
             envs = tamper(envs) if tamper else envs
-            envs.append(Envelope(kind, version, self.transport.rank, len(parts[e]), True))
+            envs.append(Envelope(kind, version, self.transport.rank, len(mine), True))
             for env in envs:
                 self.transport.send(e, env)
                 sent += len(env.body)
@@ -195,14 +201,27 @@ class RefitSender:
         report = compare(totals, engine, max(r.version for r in replies), full)
         if self._fanout is None:
             return report
-        # an engine that keeps no view checksums (answers without them) is checked by the sums only
-        views = {e: r.views if r.ok else None for e, r in zip(self.engine_ranks, replies) if r.views or not r.ok}
-        local, compared = self._fanout.view_mismatches(self.owned, views, self.mirror.current_bits if current else None)
+        local, compared = self._fanout.view_mismatches(self.owned, self._reported_views(replies),
+                                                       self.mirror.current_bits if current else None)
+        local = [(n, e, shard, want, got) for n, (e, shard), want, got in local]
         seen = [json.loads(b) for b in self.group.exchange([json.dumps([compared, local]).encode()] * self.group.size)]
-        rows = sorted({tuple(m) for _, ms in seen for m in ms}, key=lambda m: (m[0], m[1]))
-        extra = tuple(ChecksumMismatch(n, want, got, where=f"engine rank {e}") for n, e, want, got in rows)
+        rows = sorted({tuple(m) for _, ms in seen for m in ms}, key=lambda m: (m[0], m[1], m[2]))
+        extra = tuple(ChecksumMismatch(n, want, got, where=f"engine rank {e}" + (f" shard {sh}" if sh else ""))
+                      for n, e, sh, want, got in rows)
         return replace(report, checked=report.checked + sum(c for c, _ in seen),
                        mismatches=report.mismatches + extra)
+
+    def _reported_views(self, replies: Sequence[EngineReply]) -> dict[tuple[int, int], dict[str, int] | None]:
+        """Route key -> the view checksums its engine reported (None: no answer).  Engine ranks that
+        answered without view checksums, or serve several shards, are checked by the sums only."""
+        out: dict[tuple[int, int], dict[str, int] | None] = {}
+        for e, r in zip(self.engine_ranks, replies):
+            keys = [k for k in self.routes if k[0] == e]
+            if not r.ok:
+                out.update({k: None for k in keys})
+            elif r.views and keys == [(e, 0)]:
+                out[(e, 0)] = r.views
+        return out
 
     # -- the three entry points -------------------------------------------------------------
 
@@ -293,11 +312,11 @@ class RefitSender:
 
     # -- recovery -----------------------------------------------------------------------------
 
-    def _resync_parts(self, names: Sequence[str], target: int) -> dict[int, list[bytes]]:
+    def _resync_parts(self, names: Sequence[str], target: int) -> dict[tuple[int, int], list[bytes]]:
         if self._fanout is not None:
             return self._fanout.resync_payloads(names, target, self.key, self.model)
         payload = resync_payload(self.mirror.current(names), target, self.key, model=self.model)
-        return {e: [payload] for e in self.engine_ranks}
+        return {(e, 0): [payload] for e in self.engine_ranks}
 
     def _recover(self, trainer_checksums, changed: int, sent: int, clock: PhaseClock,
                  mode: str = "delta") -> RefitReport:

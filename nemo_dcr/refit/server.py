@@ -14,7 +14,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from nemo_dcr.apply import ApplyResult
+from nemo_dcr.apply import ApplyResult, IncompletePartsError
 from nemo_dcr.transport import Envelope, MessageKind, Transport
 from nemo_dcr.types import int_view
 
@@ -91,7 +91,9 @@ class EngineServer:
     def _state(self, query: int) -> EngineReply:
         if query == QUERY_PLACEMENT:
             placement = getattr(self.engine, "placement_json", None)
-            return EngineReply(True, self.engine.version, placement=placement() if placement else {})
+            shards = placement() if placement else []
+            shards = [shards] if isinstance(shards, dict) else list(shards)
+            return EngineReply(True, self.engine.version, placement={"shards": shards} if shards else {})
         ck = self.engine.checksums(full=query >= QUERY_FULL)
         dg = digests(self.engine.tensors) if query == QUERY_DIGESTS else {}
         return EngineReply(True, self.engine.version, checksums=ck, digests=dg, views=self._views())
@@ -125,9 +127,9 @@ class EngineServer:
         if missing:
             self._refuse(version, "MissingPartError", f"parts missing from senders {missing}")
             return
-        parts = [e.body for s in self.senders for _, e in sorted(per_sender[s].items()) if e.body]
         try:
-            result = (self.engine.resync if kind == MessageKind.RESYNC else self.engine.apply)(parts)
+            result = (self.engine.resync if kind == MessageKind.RESYNC else self.engine.apply)(
+                self._parts_for_engine(per_sender))
         except Exception as exc:  # refused or rolled back: the engine holds its old version
             self._refuse(version, type(exc).__name__, str(exc)[:500])
             return
@@ -139,6 +141,20 @@ class EngineServer:
         self._reply(MessageKind.ACK, version, self.senders, reply)
         for key in [k for k in self._parts if k[1] <= self.engine.version]:
             del self._parts[key]
+
+    def _parts_for_engine(self, per_sender):
+        """Every sender's bodies in part order: a list, or ``{shard: list}`` for a sharded engine."""
+        envs = [e for s in self.senders for _, e in sorted(per_sender[s].items()) if e.body]
+        if not getattr(self.engine, "sharded", False):
+            stray = sorted({e.shard for e in envs} - {0})
+            if stray:
+                raise_for = f"parts for shards {stray}, but this engine is not sharded"
+                raise IncompletePartsError(raise_for)
+            return [e.body for e in envs]
+        by_shard: dict[int, list[bytes]] = {}
+        for e in envs:
+            by_shard.setdefault(e.shard, []).append(e.body)
+        return by_shard
 
     def _refuse(self, version: int, kind: str, message: str) -> None:
         self.stats.refused[kind] = self.stats.refused.get(kind, 0) + 1

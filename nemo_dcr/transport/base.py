@@ -52,7 +52,7 @@ class TransportUnavailableError(TransportError):
     """The transport needs hardware or a package this process does not have."""
 
 
-_HEAD = struct.Struct("<4sBqiiBi")
+_HEAD = struct.Struct("<4sBqiiBii")
 _MAGIC = b"NDCE"
 
 
@@ -68,6 +68,8 @@ class Envelope:
         last: this is the sender's last part of ``version``.
         body: payload bytes (opaque to the transport).
         receiver: rank it is addressed to (set by the sending endpoint; -1: not yet sent).
+        shard: which shard of the receiving engine a payload part is for (an engine rank that
+            serves several shards, e.g. vLLM's tensor-parallel ranks behind one driver; 0 otherwise).
     """
 
     kind: MessageKind
@@ -77,21 +79,22 @@ class Envelope:
     last: bool = True
     body: bytes = b""
     receiver: int = -1
+    shard: int = 0
 
     def to_bytes(self) -> bytes:
-        """Fixed 26-byte head followed by the body."""
+        """Fixed 30-byte head followed by the body."""
         return _HEAD.pack(_MAGIC, int(self.kind), self.version, self.sender, self.part,
-                          int(self.last), self.receiver) + self.body
+                          int(self.last), self.receiver, self.shard) + self.body
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Envelope":
         """Inverse of :meth:`to_bytes`; raises :class:`TransportError` on a malformed head."""
         if len(data) < _HEAD.size:
             raise TransportError(f"envelope of {len(data)} bytes is shorter than its head")
-        magic, kind, version, sender, part, last, receiver = _HEAD.unpack_from(data)
-        if magic != _MAGIC or kind not in MessageKind._value2member_map_ or last > 1:
+        magic, kind, version, sender, part, last, receiver, shard = _HEAD.unpack_from(data)
+        if magic != _MAGIC or kind not in MessageKind._value2member_map_ or last > 1 or shard < 0:
             raise TransportError(f"malformed envelope head {bytes(data[:_HEAD.size])!r}")
-        return cls(MessageKind(kind), version, sender, part, bool(last), bytes(data[_HEAD.size:]), receiver)
+        return cls(MessageKind(kind), version, sender, part, bool(last), bytes(data[_HEAD.size:]), receiver, shard)
 
 
 class Transport(Protocol):

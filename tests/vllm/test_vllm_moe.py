@@ -59,10 +59,12 @@ def test_moe_refit_repacks_experts_and_matches_fresh_engine(tiny_moe, tmp_path):
         assert eng.compare(tiny_moe) == {0: []}  # the loader-layout copies are the checkpoint
         tokens_before = eng.generate(PROMPTS)[0]
 
-        trainer = Trainer(eng.routes(), base)
-        result = eng.apply(trainer.delta(base, target, 1))
-        trainer.commit(1)
-        assert set(experts) <= set(result.touched)
+        with Trainer(eng, base) as trainer:
+            assert not trainer.first.resynced
+            r = trainer.step_to(target)
+            assert r.committed and not r.resynced and r.verified, r.detected
+        changed = {n: int((bits_view(base[n]) != bits_view(target[n])).sum()) for n in experts}
+        assert r.by_layer_type["experts"]["changed"] == sum(changed.values()) and all(changed.values())
         assert eng.checksums() == {n: tensor_checksum(bits_view(t)) for n, t in target.items()}
         assert eng.checksums(full=True) == eng.checksums()
         assert eng.compare(target_dir) == {0: []}

@@ -23,17 +23,18 @@ def test_smollm2_real_steps_match_fresh_engine(real_checkpoints):
 
     steps = [checkpoint_tensors(p) for p in real_checkpoints]
     with VllmEngine.start(str(real_checkpoints[0]), key=KEY, **SMOLLM2) as eng:
-        placement = eng.placements()[0]
+        placement = eng.placement_json()[0]
         k_proj = placement["model.layers.3.self_attn.k_proj.weight"]
         assert k_proj["param"] == "model.layers.3.self_attn.qkv_proj.weight" and k_proj["param_shape"] == [960, 576]
         assert placement["model.layers.3.mlp.up_proj.weight"]["param"] == "model.layers.3.mlp.gate_up_proj.weight"
         assert eng.probed[0]["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
-        trainer = Trainer(eng.routes(), steps[0])
-        for v in (1, 2):
-            result = eng.apply(trainer.delta(steps[v - 1], steps[v], v))
-            trainer.commit(v)
-            assert result.target_version == v == eng.version and result.touched
-            assert eng.checksums() == {n: tensor_checksum(bits_view(t)) for n, t in steps[v].items()}
+        with Trainer(eng, steps[0]) as trainer:
+            assert trainer.first.committed and not trainer.first.resynced  # loaded from step_0: nothing sent
+            for v in (1, 2):
+                r = trainer.step_to(steps[v])
+                assert r.committed and r.mode == "delta" and not r.resynced and r.verified, r.detected
+                assert r.version == v == eng.version and r.changed > 0
+                assert eng.checksums() == {n: tensor_checksum(bits_view(t)) for n, t in steps[v].items()}
         assert eng.checksums(full=True) == eng.checksums()
         assert eng.compare(real_checkpoints[2]) == {0: []}
         refit, generated = engine_params(eng.llm), eng.generate(PROMPTS)

@@ -5,6 +5,8 @@ Every check is against a *fresh* vLLM engine loaded from the dense checkpoint.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from vllm_models import ENGINE_ARGS, KEY, PROMPTS, Trainer, checkpoint_tensors, perturbed, write_like
 
@@ -41,16 +43,16 @@ def test_dummy_engine_resync_then_delta_then_dense(tiny_llama, tmp_path):
     target_dir = write_like(tiny_llama, target, tmp_path / "target")
     with VllmEngine.start(str(tiny_llama), key=KEY, load_format="dummy", **ENGINE_ARGS) as eng:
         assert len(eng.compare(tiny_llama)[0]) == len(base)  # dummy weights: nothing is the checkpoint
-        trainer = Trainer(eng.routes(), base)
-        result = eng.resync(trainer.resync(base, 1))
-        trainer.commit(1)
-        assert result.resync and eng.version == 1 and eng.compare(tiny_llama) == {0: []}
-        assert eng.checksums() == _sums(base) == eng.checksums(full=True)
+        with Trainer(eng, base) as trainer:
+            first = trainer.first  # the engine's checksums differ from the trainer's: a full resync
+            assert first.committed and first.resynced and eng.version == first.version == 1
+            assert any("differ at (re)start" in d for d in first.detected)
+            assert eng.compare(tiny_llama) == {0: []}
+            assert eng.checksums() == _sums(base) == eng.checksums(full=True)
 
-        result = eng.apply(trainer.delta(base, target, 2))
-        trainer.commit(2)
-        assert not result.resync and eng.version == 2
-        assert sum(result.touched.values()) == _changed(base, target)
+            r = trainer.step_to(target)
+            assert r.committed and r.mode == "delta" and not r.resynced and eng.version == 2
+            assert r.changed == _changed(base, target)
         assert eng.checksums() == _sums(target) == eng.checksums(full=True)
         assert eng.compare(target_dir) == {0: []}
         refit, generated = engine_params(eng.llm), eng.generate(PROMPTS)
@@ -65,42 +67,59 @@ def test_dummy_engine_resync_then_delta_then_dense(tiny_llama, tmp_path):
     assert base_tokens != want_tokens  # the generations compared above can tell the versions apart
 
 
-def _tampered(part: bytes) -> bytes:
-    data = bytearray(part)
-    data[len(data) // 2] ^= 0x01
-    return bytes(data)
+def _tamper_shard_1(envs):
+    """Flip one byte in the middle of every payload part for TP rank 1 (its shard)."""
+    out = []
+    for e in envs:
+        body = bytearray(e.body)
+        if e.shard == 1 and body:
+            body[len(body) // 2] ^= 0x01
+        out.append(replace(e, body=bytes(body)))
+    return out
 
 
 def test_tp2_ranks_receive_own_parts_and_commit_together(tiny_llama, tmp_path):
-    from nemo_dcr.integrations.vllm.engine import RankRefusedError, VllmEngine
+    """Through the refit path: each TP rank receives only records in its own view index space; a
+    corrupted part for rank 1 makes rank 1 refuse and rank 0 roll back, the engine stays at its
+    version and the trainer's recovery resync lands; then a clean delta; all vs a fresh engine."""
+    from nemo_dcr.integrations.vllm.engine import VllmEngine
     from nemo_dcr.integrations.vllm.verify import engine_params, param_differences
 
     base = checkpoint_tensors(tiny_llama)
     target = perturbed(base)
+    middle = perturbed(base, seed=7)
     target_dir = write_like(tiny_llama, target, tmp_path / "target")
+    middle_dir = write_like(tiny_llama, middle, tmp_path / "middle")
     q = "model.layers.0.self_attn.q_proj.weight"
     with VllmEngine.start(str(tiny_llama), tensor_parallel_size=2, key=KEY, **ENGINE_ARGS) as eng:
         routes = eng.routes()
         assert [routes[r][q].numel for r in (0, 1)] == [base[q].numel() // 2] * 2
         assert routes[1][q].param == "model.layers.0.self_attn.qkv_proj.weight"
-        before, tokens_before = engine_params(eng.llm), eng.generate(PROMPTS)[0]
-        trainer = Trainer(routes, base)
-        parts = trainer.delta(base, target, 1)
-        for r in (0, 1):  # each rank's records are in its own view index space
-            records = [rec for p in parts[r] for rec in inspect(p, KEY).records]
-            assert records and all(rec.shape == (routes[r][rec.name].numel,) for rec in records)
+        tokens_before = eng.generate(PROMPTS)[0]
+        with Trainer(eng, base) as trainer:
+            assert not trainer.first.resynced and set(trainer.refit.sender.routes) == {(1, 0), (1, 1)}
+            seen = []
+            sizes = {r: {n: tp.numel for n, tp in routes[r].items()} for r in (0, 1)}
 
-        with pytest.raises(RankRefusedError) as refused:
-            eng.apply({0: parts[0], 1: [_tampered(p) for p in parts[1]]})
-        assert [f[0] for f in refused.value.failures] == [1] and refused.value.rolled_back == [0]
-        assert eng.version == 0 and param_differences(engine_params(eng.llm), before) == []
+            def spy(envs):  # each shard's records are in that rank's own view index space
+                for e in envs:
+                    seen.extend((e.shard, rec.name, rec.shape) for rec in inspect(e.body, KEY).records)
+                return envs
 
-        result = eng.apply(parts)
-        trainer.commit(1)
-        assert result.target_version == 1 == eng.version
+            r = trainer.step_to(middle, tamper=_tamper_shard_1)
+            refused = [d for v, w, d in trainer.events if w == "refused"]
+            assert len(refused) == 1 and refused[0].startswith("RankRefusedError"), trainer.events
+            assert "rank 1" in refused[0] and "rolled back [0]" in refused[0]
+            assert r.committed and r.resynced and eng.compare(middle_dir) == {0: [], 1: []}
+            assert eng.checksums(full=True) == _sums(middle)
+
+            r = trainer.step_to(target, tamper=spy)
+            assert r.committed and not r.resynced and r.verified
+            assert seen and all(shape == (sizes[s][name],) for s, name, shape in seen)
+            assert {s for s, _, _ in seen} == {0, 1}
         assert eng.checksums() == _sums(target) == eng.checksums(full=True)
         assert eng.compare(target_dir) == {0: [], 1: []}
         refit, generated = engine_params(eng.llm), eng.generate(PROMPTS)
     want, want_tokens = _fresh(target_dir, tp=2)
     assert param_differences(refit, want) == []
-    assert generated == (want_tokens, 1) and tokens_before != want_tokens
+    assert generated[0] == want_tokens and tokens_before != want_tokens

@@ -1,5 +1,6 @@
 """Tiny random-weight models for the vLLM tests (saved as HF folders vLLM loads), and the trainer
-side of a refit (sender mirror + fanout) that the tests drive against a real vLLM engine."""
+side: the one refit path (``DeltaRefit`` over canonical tensors) into a real vLLM engine whose
+refit server runs in this process."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Mapping
 import torch
 
 from nemo_dcr.checkpoint import load_checkpoint, save_checkpoint
-from nemo_dcr.codec import Identity, diff_tensors
-from nemo_dcr.refit.fanout import Fanout
-from nemo_dcr.refit.mirror import SenderMirror
+from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.refit import DeltaRefit, RefitReport, colocated_wiring
+from nemo_dcr.refit.canonical import CanonicalSource
 
 KEY = b"vllm-test-key-0123456789abcdef01"
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 6]
@@ -63,30 +64,42 @@ def write_like(model_dir: Path, tensors: Mapping[str, torch.Tensor], out: Path) 
 
 
 class Trainer:
-    """What the trainer side holds: a mirror of the engine's bits and the per-rank fanout."""
+    """A trainer holding canonical tensors, refitting ``engine`` through :class:`DeltaRefit`: the
+    engine's :class:`~nemo_dcr.refit.EngineServer` runs in a thread of this process (in-process
+    transport), the engine reports its placement (one shard per TP rank), and every refit is
+    routed, encoded, applied transactionally and verified exactly as in a training job.
 
-    def __init__(self, routes, tensors: Mapping[str, torch.Tensor], version: int = 0):
-        self.mirror = SenderMirror({n: ("bf16", tuple(t.shape)) for n, t in tensors.items()}, version)
-        self.mirror.reset(tensors, version)
-        self.fanout = Fanout(routes, self.mirror)
+    Args:
+        engine: the engine (a :class:`~nemo_dcr.integrations.vllm.engine.VllmEngine`).
+        tensors: the trainer's weights at the start; the first sync (:attr:`first`) sends what
+            the engine does not hold yet.
+    """
 
-    def delta(self, base, target, version: int) -> dict[int, list[bytes]]:
-        """Parts per engine rank of ``base -> target`` (base version ``version - 1``)."""
-        deltas = self.mirror.changes(diff_tensors(base, target))
-        self.mirror.stage(deltas, version)
-        return self.fanout.encode(deltas, Identity(base_version=version - 1, target_version=version), "dcr", KEY,
-                                  1 << 20)
+    def __init__(self, engine, tensors: Mapping[str, torch.Tensor]):
+        self.params = {n: t.clone() for n, t in tensors.items()}
+        cfg = DcrConfig(transport="inprocess", reply_timeout_s=900, full_verify_interval=1, telemetry_encodings=[])
+        self.refit = DeltaRefit(cfg, CanonicalSource(self.params), colocated_wiring(cfg, 0, KEY), engine, key=KEY)
+        self.first: RefitReport = self.refit.attach()
 
-    def resync(self, tensors, version: int) -> dict[int, list[bytes]]:
-        """Full-resync parts per engine rank carrying ``tensors``."""
-        self.mirror.reset(tensors, self.mirror.version)
-        self.fanout.reset()
-        return self.fanout.resync_payloads(sorted(tensors), version, KEY)
+    def step_to(self, tensors: Mapping[str, torch.Tensor], tamper=None) -> RefitReport:
+        """The trainer's weights become ``tensors``; one refit (``tamper``: fault injection)."""
+        for n, p in self.params.items():
+            p.copy_(tensors[n])
+        return self.refit.step(tamper=tamper)
 
-    def commit(self, version: int) -> None:
-        """The engine acknowledged ``version``."""
-        self.mirror.commit(version)
-        self.fanout.commit(version)
+    @property
+    def events(self) -> list[tuple[int, str, str]]:
+        """What the engine's refit server saw (refusals, commits), with versions."""
+        return list(self.refit.server.stats.events)
+
+    def close(self) -> None:
+        self.refit.close(60)
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -43,6 +43,7 @@ class HFEngine:
         if bad:
             raise ValueError(f"parameters must be contiguous for in-place apply: {bad[:5]}")
         self.engine = TensorEngine(tensors, version, key)
+        self.engine.build_indexes()  # the first refit then decodes in proportion to its changes
 
     @classmethod
     def from_config(cls, config, seed: int = 0, **kwargs) -> "HFEngine":
@@ -76,6 +77,10 @@ class HFEngine:
     def resync(self, parts: Sequence[bytes]) -> ApplyResult:
         """Full resync in place (transactional)."""
         return self.engine.resync(parts)
+
+    def serving(self):
+        """Hold the current version for one generation (a context manager yielding it)."""
+        return self.engine.serving()
 
     def checksums(self, full: bool = False) -> dict[str, int]:
         """Per-tensor checksums (incremental, or a full scan)."""

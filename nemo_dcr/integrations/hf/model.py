@@ -101,3 +101,17 @@ def save_embedded_checkpoint(path: str | Path, dtype: torch.dtype = torch.float3
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_checkpoint(state, Path(path))
     return len(state)
+
+
+def save_embedded_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The embedded model as a regular Hugging Face folder (safetensors weights, ``config.json``
+    naming the architecture, tokenizer): what the demo's trainer ranks and engines load, vLLM
+    included.  The GGUF weights are dequantized first (a GGUF-quantized model cannot be saved)."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    folder = Path(folder)
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir(), gguf_file=EMBEDDED_GGUF, dtype=dtype,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(folder)
+    load_embedded_tokenizer().save_pretrained(folder)
+    return folder

@@ -52,7 +52,7 @@ class RankRefusedError(RefitRefusedError):
         self.failures = list(failures)
         self.rolled_back = list(rolled_back)
         lines = "; ".join(f"rank {r}: {kind}: {msg[:300]}" for r, kind, msg in self.failures)
-        super().__init__(f"v{version} rolled back on every rank: {lines}")
+        super().__init__(f"v{version} refused; ranks that had written it rolled back {self.rolled_back}: {lines}")
 
 
 def canonical_shapes(model_dir: str) -> dict[str, list[int]]:
@@ -127,12 +127,16 @@ class VllmEngine:
         """The version every rank holds."""
         return self.guard.version
 
-    def placements(self) -> list[dict]:
-        """Each engine rank's placement (JSON form of :mod:`nemo_dcr.apply.placement`, primary assigned)."""
+    sharded = True
+    """The refit server hands :meth:`apply` the parts per shard: one shard per TP rank."""
+
+    def placement_json(self) -> list[dict]:
+        """Each TP rank's placement, one shard each (JSON form of :mod:`nemo_dcr.apply.placement`,
+        primary holders assigned): what the engine reports to the refit path's placement query."""
         return [dict(p) for p in self._placements]
 
     def routes(self) -> dict[int, dict]:
-        """Engine rank -> placement objects (for ``Fanout(routes=...)`` on the trainer side)."""
+        """TP rank -> placement objects."""
         return {r: placement_from_json(p) for r, p in enumerate(self._placements)}
 
     def apply(self, parts: Mapping[int, Sequence[bytes]] | Sequence[bytes]) -> ApplyResult:
