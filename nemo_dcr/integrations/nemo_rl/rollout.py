@@ -86,7 +86,7 @@ def probe_worker(worker: Any) -> tuple[dict, dict[str, tuple[str, tuple[int, ...
         raise RuntimeError(f"{type(model).__name__}.load_weights called no weight loader for any of {len(shapes)} "
                            "tensors: the model does not follow vLLM's weight-loader contract")
     fills: dict = {}
-    placement = probe_model(model, shapes, calls, get_loader, fills=fills)
+    placement = probe_model(model, shapes, calls, get_loader, fills=fills, device="cpu")  # off vLLM's GPU
     return placement, table, _outside_views(fills, placement)
 
 
