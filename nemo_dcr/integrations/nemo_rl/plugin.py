@@ -32,7 +32,7 @@ import torch
 from nemo_dcr.apply.placement import placement_to_json
 from nemo_dcr.codec.auth import read_key_file
 
-from .options import SELECTOR, PluginOptions
+from .options import PluginOptions
 from .policy import PolicySide
 from .rollout import InPlaceEngine, RolloutSide, build_engine, find_owner, probe_worker
 from .session import Topology, new_nonce, policy_metadata, rollout_metadata
