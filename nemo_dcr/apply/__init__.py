@@ -10,8 +10,9 @@ Usage::
 from .engine import TensorEngine
 from .errors import ApplyVerificationError, IncompletePartsError, InjectedFault, RefitRefusedError, VersionMismatchError
 from .guard import VersionGuard
-from .transaction import ApplyResult, UndoLog, apply_parts, resync_parts
+from .transaction import ApplyResult, UndoSettings, apply_parts, resync_parts
+from .undo import UNDO_MEMORY_BYTES, UndoLog
 
 __all__ = ["ApplyResult", "ApplyVerificationError", "IncompletePartsError", "InjectedFault",
-           "RefitRefusedError", "TensorEngine", "UndoLog", "VersionGuard", "VersionMismatchError",
-           "apply_parts", "resync_parts"]
+           "RefitRefusedError", "TensorEngine", "UNDO_MEMORY_BYTES", "UndoLog", "UndoSettings", "VersionGuard",
+           "VersionMismatchError", "apply_parts", "resync_parts"]

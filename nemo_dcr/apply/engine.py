@@ -23,7 +23,8 @@ from nemo_dcr.verify.checksum import tensor_checksum
 from .errors import RefitRefusedError
 from .guard import VersionGuard
 from .shard_view import ShardView
-from .transaction import ApplyResult, Bases, FaultHook, Prepared, prepare_parts, prepare_resync
+from .transaction import ApplyResult, Bases, FaultHook, Prepared, UndoSettings, prepare_parts, prepare_resync
+from .undo import UNDO_MEMORY_BYTES
 
 
 class PendingVersionError(RefitRefusedError):
@@ -49,13 +50,17 @@ class TensorEngine:
         keep_index: keep a ``dcr`` class index per tensor between versions (host memory of about
             2.3 bytes per element of the tensors that receive ``dcr`` records), so decoding costs
             in proportion to the changes instead of a pass over each tensor.
+        undo_limit_bytes: old bits a transaction's undo log holds in memory at most; the rest is
+            spilled to a temporary file (:mod:`nemo_dcr.apply.undo`).
+        spill_dir: folder of that file (default: the system's temporary folder).
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = 0, key: bytes | None = None,
-                 keep_index: bool = True):
+                 keep_index: bool = True, undo_limit_bytes: int = UNDO_MEMORY_BYTES, spill_dir: str | None = None):
         self.tensors = dict(tensors)
         self.key = key
         self.indexes = DcrIndexes() if keep_index else None
+        self.undo = UndoSettings(undo_limit_bytes, spill_dir)
         self.guard = VersionGuard(version)
         self._checksums = full_checksums(self.tensors)
         self.fault: FaultHook | None = None
@@ -93,10 +98,10 @@ class TensorEngine:
         hold.enter_context(self.guard.write())
         try:
             if resync:
-                prepared = prepare_resync(self.tensors, parts, self.version, self.key, self.fault)
+                prepared = prepare_resync(self.tensors, parts, self.version, self.key, self.fault, self.undo)
             else:
                 prepared = prepare_parts(self.tensors, parts, self.version, self._checksums, self.key, self.fault,
-                                         self.indexes)
+                                         self.indexes, self.undo)
         except BaseException:
             hold.close()
             raise
@@ -112,6 +117,7 @@ class TensorEngine:
         """Move to the prepared version (drops its undo log, releases the write guard)."""
         prepared, hold = self._take_pending("commit")
         with hold:
+            prepared.release()
             self._commit(prepared.result)
             if self.indexes is not None:  # only a committed version moves the indexes
                 if prepared.result.resync:

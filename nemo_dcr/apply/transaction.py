@@ -23,7 +23,7 @@ prepare-then-commit on one rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
@@ -31,12 +31,13 @@ import torch
 
 from nemo_dcr.codec import DcrIndexes, decode, inspect
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
-from nemo_dcr.kernels import read_bits, write_bits
+from nemo_dcr.kernels import read_bits
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
 
 from .errors import ApplyVerificationError, IncompletePartsError, VersionMismatchError
 from .shard_view import ShardView
+from .undo import UNDO_MEMORY_BYTES, UndoLog
 
 RESYNC_BASE_VERSION = 0
 """Base version of every resync payload: it is encoded against all-zero tensors."""
@@ -86,7 +87,8 @@ class ApplyResult:
         touched: tensor name -> elements written (only tensors with changes).
         checksums: tensor name -> checksum after the apply, for every tensor in the payload.
         resync: the transaction was a full resync.
-        undo_bytes: size the undo log reached.
+        undo_bytes: old bits the undo log held in memory (at most its bound).
+        undo_spilled_bytes: old bits the undo log spilled to its temporary file.
         deltas: the changes written (record index space; old and new bits), for callers that keep
             further sums (a routed engine's canonical checksums); empty for a resync.
     """
@@ -98,38 +100,7 @@ class ApplyResult:
     resync: bool = False
     undo_bytes: int = 0
     deltas: tuple[SparseDelta, ...] = ()
-
-
-@dataclass
-class UndoLog:
-    """Old bits of every element a transaction wrote; nnz-sized (whole tensors for a resync)."""
-
-    _entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
-
-    def scatter(self, view: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
-        """``view[pos] = new`` after saving ``view[pos]``."""
-        self._entries.append((view, pos, read_bits(view, pos)))
-        write_bits(view, pos, new)
-
-    def overwrite(self, view: torch.Tensor, new: torch.Tensor) -> None:
-        """``view[:] = new`` after saving the whole tensor."""
-        self._entries.append((view, None, view.clone()))
-        view.copy_(new)
-
-    def rollback(self) -> None:
-        """Restore every saved element, newest first."""
-        for view, pos, old in reversed(self._entries):
-            if pos is None:
-                view.copy_(old)
-            else:
-                write_bits(view, pos, old)
-        self._entries.clear()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held (old bits plus positions)."""
-        return sum(old.numel() * old.element_size() + (0 if pos is None else pos.numel() * 8)
-                   for _, pos, old in self._entries)
+    undo_spilled_bytes: int = 0
 
 
 def _readback(view: torch.Tensor, pos: torch.Tensor, dtype: str) -> np.ndarray:
@@ -151,6 +122,14 @@ def _check_versions(headers, version: int, resync: bool) -> int:
     return target
 
 
+@dataclass(frozen=True)
+class UndoSettings:
+    """Bound of the undo log's memory and the folder it spills to (see :mod:`nemo_dcr.apply.undo`)."""
+
+    limit_bytes: int = UNDO_MEMORY_BYTES
+    spill_dir: str | None = None
+
+
 @dataclass
 class Prepared:
     """A version written and verified but not committed: the undo log is still held.
@@ -164,12 +143,18 @@ class Prepared:
     undo: UndoLog
 
     def rollback(self) -> None:
-        """Restore every written element, bit for bit."""
+        """Restore every written element, bit for bit (and drop the log)."""
         self.undo.rollback()
 
+    def release(self) -> ApplyResult:
+        """The version is committed: drop the undo log (and its spill file)."""
+        self.undo.close()
+        return self.result
 
-def _transact(writes: Callable[[UndoLog], dict[str, int]]) -> tuple[dict[str, int], UndoLog]:
-    undo = UndoLog()
+
+def _transact(writes: Callable[[UndoLog], dict[str, int]],
+              settings: UndoSettings) -> tuple[dict[str, int], UndoLog]:
+    undo = UndoLog(settings.limit_bytes, settings.spill_dir)
     try:
         touched = writes(undo)
         return touched, undo
@@ -180,17 +165,19 @@ def _transact(writes: Callable[[UndoLog], dict[str, int]]) -> tuple[dict[str, in
 
 def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                 checksums: Mapping[str, int], key: bytes | None = None,
-                fault: FaultHook | None = None, indexes: DcrIndexes | None = None) -> ApplyResult:
+                fault: FaultHook | None = None, indexes: DcrIndexes | None = None,
+                undo: UndoSettings = UndoSettings()) -> ApplyResult:
     """Apply all parts of one version as one transaction (see the module docstring).
 
     Same arguments and errors as :func:`prepare_parts`; commits at once (the undo log is dropped).
     """
-    return prepare_parts(tensors, parts, version, checksums, key, fault, indexes).result
+    return prepare_parts(tensors, parts, version, checksums, key, fault, indexes, undo).release()
 
 
 def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                   checksums: Mapping[str, int], key: bytes | None = None,
-                  fault: FaultHook | None = None, indexes: DcrIndexes | None = None) -> Prepared:
+                  fault: FaultHook | None = None, indexes: DcrIndexes | None = None,
+                  undo: UndoSettings = UndoSettings()) -> Prepared:
     """Validate, write and verify one version, keeping the undo log (phases 1-3).
 
     Args:
@@ -202,6 +189,7 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
         fault: hook called after each tensor written (fault injection).
         indexes: the engine's kept ``dcr`` class indexes, used to decode; this function never
             updates them (the caller does, with ``result.deltas``, once it committed).
+        undo: the undo log's memory bound and spill folder.
 
     Raises:
         DeltaFormatError, VersionMismatchError, IncompletePartsError: refused, nothing written.
@@ -226,8 +214,9 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
         _verify_sparse(tensors, deltas, checksums, new_ck)
         return touched
 
-    touched, undo = _transact(writes)
-    return Prepared(ApplyResult(version, target, touched, new_ck, False, undo.nbytes, tuple(deltas)), undo)
+    touched, log = _transact(writes, undo)
+    result = ApplyResult(version, target, touched, new_ck, False, log.nbytes, tuple(deltas), log.spilled_bytes)
+    return Prepared(result, log)
 
 
 def _verify_sparse(tensors, deltas: Sequence[SparseDelta], checksums, new_ck) -> None:
@@ -245,7 +234,7 @@ def _verify_sparse(tensors, deltas: Sequence[SparseDelta], checksums, new_ck) ->
 def _zero_base(tensors: Mapping[str, Live], parts: Sequence[bytes], key) -> dict[str, torch.Tensor]:
     base = {}
     for p in parts:
-        for r in inspect(p, key).records:
+        for r in inspect(p, key, receiver=tensors).records:
             t = tensors.get(r.name)
             if t is None:
                 raise MissingTensorError(f"receiver has no such tensor ({len(tensors)} tensors)", r.name)
@@ -256,18 +245,20 @@ def _zero_base(tensors: Mapping[str, Live], parts: Sequence[bytes], key) -> dict
 
 
 def resync_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
-                 key: bytes | None = None, fault: FaultHook | None = None) -> ApplyResult:
+                 key: bytes | None = None, fault: FaultHook | None = None,
+                 undo: UndoSettings = UndoSettings()) -> ApplyResult:
     """Full resync: payloads encoded against all-zero tensors overwrite the named tensors.
 
     The target version must be newer than ``version``; tensors not in the payload keep their
-    bits.  The undo log holds whole tensors (a resync is a 100%-density delta).  Commits at
-    once; :func:`prepare_resync` keeps the undo log instead.
+    bits.  The undo log saves whole tensors (a resync is a 100%-density delta), spilling beyond
+    ``undo.limit_bytes``.  Commits at once; :func:`prepare_resync` keeps the undo log instead.
     """
-    return prepare_resync(tensors, parts, version, key, fault).result
+    return prepare_resync(tensors, parts, version, key, fault, undo).release()
 
 
 def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
-                   key: bytes | None = None, fault: FaultHook | None = None) -> Prepared:
+                   key: bytes | None = None, fault: FaultHook | None = None,
+                   undo: UndoSettings = UndoSettings()) -> Prepared:
     """A full resync written and verified, not committed (see :func:`resync_parts`)."""
     zeros = _zero_base(tensors, parts, key)
     decoded = [decode(p, zeros, key) for p in parts]
@@ -293,9 +284,9 @@ def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], 
                                              f"payload target {records[d.name].target_checksum}")
         return touched
 
-    touched, undo = _transact(writes)
+    touched, log = _transact(writes, undo)
     new_ck = {n: int(r.target_checksum, 16) for n, r in records.items()}
-    return Prepared(ApplyResult(version, target, touched, new_ck, True, undo.nbytes), undo)
+    return Prepared(ApplyResult(version, target, touched, new_ck, True, log.nbytes, (), log.spilled_bytes), log)
 
 
 def _overwrite(undo: UndoLog, t: Live, full: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ Usage::
 
 from .dcr import DcrIndex, DcrIndexes
 from .errors import DeltaFormatError
+from .header import header_limit
 from .payload import DecodedPayload, Identity, apply, decode, diff_tensors, encode, encode_deltas, inspect
 
-__all__ = ["DcrIndex", "DcrIndexes", "DeltaFormatError", "DecodedPayload", "Identity", "apply", "decode", "diff_tensors", "encode",
-           "encode_deltas", "inspect"]
+__all__ = ["DcrIndex", "DcrIndexes", "DeltaFormatError", "DecodedPayload", "Identity", "apply", "decode",
+           "diff_tensors", "encode", "encode_deltas", "header_limit", "inspect"]

@@ -30,10 +30,19 @@ MAX_HEADER_BYTES = 64 << 20
 MAX_RECORDS = 1_000_000
 MAX_DIMS = 8
 MAX_NUMEL = 1 << 62
+MAX_IDENTITY_CHARS = 256
+"""``model`` and ``run`` are at most this many characters (rule 6)."""
+HEADER_FIXED_BYTES = 16 << 10
+RECORD_FIXED_BYTES = 1024
+ESCAPED_CHAR_BYTES = 12
+"""Header bound at a receiver (rule 3): ``HEADER_FIXED_BYTES`` plus, per tensor it holds,
+``RECORD_FIXED_BYTES`` and ``ESCAPED_CHAR_BYTES`` per character of its name (the longest JSON
+escape of a character, a surrogate pair ``\\udXXX\\udXXX``). Every header a conforming encoder
+writes for those tensors fits; parsing cost is then proportional to what the receiver holds."""
 FORMAT_NAME = "nemo_dcr.delta"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RecordInfo:
     """Header entry of one record (section 3)."""
 
@@ -75,6 +84,18 @@ class PayloadHeader:
                 "encodings": list(self.encodings), "records": [r.to_json() for r in self.records]}
 
 
+def header_limit(names) -> int:
+    """Largest header JSON (bytes) a receiver holding tensors named ``names`` accepts (rule 3)."""
+    return HEADER_FIXED_BYTES + sum(RECORD_FIXED_BYTES + ESCAPED_CHAR_BYTES * len(n) for n in names)
+
+
+def check_identity(model: str, run: str) -> None:
+    """``model`` and ``run`` within :data:`MAX_IDENTITY_CHARS` (raises ``ValueError`` naming the field)."""
+    for field_name, value in (("model", model), ("run", run)):
+        if len(value) > MAX_IDENTITY_CHARS:
+            raise ValueError(f"{field_name} has {len(value)} characters; at most {MAX_IDENTITY_CHARS}")
+
+
 def pack_preamble_and_header(header: PayloadHeader, authenticated: bool) -> bytes:
     raw = json.dumps(header.to_json(), separators=(",", ":")).encode()
     comp = zstandard.ZstdCompressor(level=3).compress(raw)
@@ -82,8 +103,15 @@ def pack_preamble_and_header(header: PayloadHeader, authenticated: bool) -> byte
     return PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, len(comp), len(raw)) + comp
 
 
-def read_preamble(payload) -> tuple[int, int, int]:
-    """``(flags, header_len, header_raw_len)`` after checking rules 1-3."""
+def read_preamble(payload, max_header_bytes: int = MAX_HEADER_BYTES,
+                  receiver: str = "") -> tuple[int, int, int]:
+    """``(flags, header_len, header_raw_len)`` after checking rules 1-3.
+
+    Args:
+        payload: the payload bytes.
+        max_header_bytes: the receiver's bound (:func:`header_limit`), when lower than 64 MiB.
+        receiver: what the receiver holds, for the message.
+    """
     if len(payload) < 4 or bytes(payload[:4]) != MAGIC:
         if len(payload) < 4 and MAGIC.startswith(bytes(payload)):
             raise TruncatedPayloadError(f"payload of {len(payload)} bytes is shorter than the preamble")
@@ -95,8 +123,9 @@ def read_preamble(payload) -> tuple[int, int, int]:
         raise UnsupportedVersionError(f"format version {version}; this decoder reads version {FORMAT_VERSION}")
     if flags & ~FLAG_AUTH:
         raise UnknownFlagsError(f"reserved flag bits set: {flags:#06x}")
-    if h_raw > MAX_HEADER_BYTES:
-        raise HeaderTooLargeError(f"header of {h_raw} bytes exceeds {MAX_HEADER_BYTES}")
+    if h_raw > min(MAX_HEADER_BYTES, max_header_bytes):
+        raise HeaderTooLargeError(f"header of {h_raw} bytes exceeds {min(MAX_HEADER_BYTES, max_header_bytes)}"
+                                  + (f", the bound for a receiver holding {receiver}" if receiver else ""))
     if PREAMBLE.size + h_len > len(payload):
         raise TruncatedPayloadError(f"header of {h_len} bytes runs past the payload end ({len(payload)} bytes)")
     return flags, h_len, h_raw
@@ -110,9 +139,12 @@ def parse_header(comp, raw_len: int) -> PayloadHeader:
     """Decompress and validate the header JSON (rules 3, 6-8)."""
     raw = decompress_exact(comp, raw_len, _header_error, "header")
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        del raw  # peak memory: the text or the bytes, not both, next to the parsed objects
+        obj = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise MalformedHeaderError(f"header is not UTF-8 JSON within limits: {str(exc)[:200]}") from None
+    del text
     return _header_from_json(obj)
 
 
@@ -146,11 +178,19 @@ def _header_from_json(obj) -> PayloadHeader:
     _check_keys(obj, _HEADER_TYPES, "header")
     if obj["format"] != FORMAT_NAME:
         raise MalformedHeaderError(f"header format {obj['format']!r}, expected {FORMAT_NAME!r}")
+    try:
+        check_identity(obj["model"], obj["run"])
+    except ValueError as exc:
+        raise MalformedHeaderError(f"header: {exc}") from None
     if not 0 <= obj["base_version"] < obj["target_version"]:
         raise MalformedHeaderError(f"versions {obj['base_version']} -> {obj['target_version']} must increase from >= 0")
     if len(obj["records"]) > MAX_RECORDS:
         raise LimitExceededError(f"{len(obj['records'])} records exceed the limit of {MAX_RECORDS}")
-    records = tuple(_record_from_json(r, i) for i, r in enumerate(obj["records"]))
+    raw_records, records = obj["records"], []
+    for i in range(len(raw_records)):  # each JSON object is dropped once converted: never both whole
+        records.append(_record_from_json(raw_records[i], i))
+        raw_records[i] = None
+    records = tuple(records)
     names = [r.name for r in records]
     if len(set(names)) != len(names):
         raise MalformedHeaderError("record names are not unique")

@@ -17,6 +17,7 @@ import torch
 from ..kernels import write_bits
 from ..types import SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
+from .auth import MIN_KEY_BYTES
 from .dcr import DcrIndexes
 from .errors import (
     AuthenticationError,
@@ -32,9 +33,12 @@ from .errors import (
 )
 from .header import (
     FLAG_AUTH,
+    MAX_HEADER_BYTES,
     PREAMBLE,
     PayloadHeader,
     RecordInfo,
+    check_identity,
+    header_limit,
     pack_preamble_and_header,
     parse_header,
     read_preamble,
@@ -42,7 +46,6 @@ from .header import (
 from .records import decode_record, encode_record
 
 MAC_BYTES = 32
-MIN_KEY_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ def encode_deltas(
             (:meth:`DcrIndexes.update`); without them every ``dcr`` record ranks its whole base.
     """
     _check_key(key)
+    check_identity(identity.model, identity.run)
     infos, bodies = [], []
     for d in deltas:
         spec, bits = spec_of(d.dtype), base[d.name]
@@ -149,11 +153,13 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     return encode_deltas(deltas, bits, identity, encoding, key)
 
 
-def _split(payload, key: bytes | None) -> tuple[PayloadHeader, list[memoryview]]:
-    """Preamble, MAC, header and record bodies (rules 1-8, 11); needs no base."""
+def _split(payload, key: bytes | None, receiver: Mapping | None = None) -> tuple[PayloadHeader, list[memoryview]]:
+    """Preamble, MAC, header and record bodies (rules 1-8, 11); the header is bounded by what
+    ``receiver`` holds (rule 3) when given, and authenticated before it is parsed (rule 5)."""
     _check_key(key)
     payload = memoryview(payload)
-    flags, h_len, h_raw = read_preamble(payload)
+    limit = MAX_HEADER_BYTES if receiver is None else header_limit(receiver)
+    flags, h_len, h_raw = read_preamble(payload, limit, "" if receiver is None else f"{len(receiver)} tensors")
     authenticated = bool(flags & FLAG_AUTH)
     if authenticated != (key is not None):
         raise AuthenticationError("payload is authenticated but no key was given" if authenticated
@@ -180,9 +186,20 @@ def _split(payload, key: bytes | None) -> tuple[PayloadHeader, list[memoryview]]
     return header, bodies
 
 
-def inspect(payload, key: bytes | None = None) -> PayloadHeader:
-    """Structurally validated header of a payload (no base needed)."""
-    return _split(payload, key)[0]
+def inspect(payload, key: bytes | None = None, receiver: Mapping | None = None) -> PayloadHeader:
+    """Structurally validated header of a payload (no base needed).
+
+    Args:
+        payload: the payload.
+        key: HMAC key (the MAC is checked before the header is parsed).
+        receiver: names of the tensors the receiver holds (a mapping): bounds the header (rule 3).
+    """
+    return _split(payload, key, receiver)[0]
+
+
+def _count_equal(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 20) -> int:
+    """Elements where ``a == b``, in chunks (no array-sized temporary)."""
+    return sum(int(np.count_nonzero(a[s : s + chunk] == b[s : s + chunk])) for s in range(0, a.size, chunk))
 
 
 def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: Mapping[str, int] | None):
@@ -213,15 +230,15 @@ def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
     rebuilt when stale); the owner updates them after a committed apply
     (:meth:`DcrIndexes.update`) and never after a rolled-back one.
     """
-    header, bodies = _split(payload, key)
+    header, bodies = _split(payload, key, base)
     deltas = []
     for r, body in zip(header.records, bodies):
         spec, bits, have = _check_against(r, base, base_checksums)
         index = indexes.get(r.name, bits, spec, have) if indexes is not None and r.encoding == "dcr" else None
         pos, new, old = decode_record(r, body, bits, spec, index)
-        if pos.size != r.changed or (old == new).any():
-            raise MalformedRecordError(f"decoded {pos.size} changes ({int((old == new).sum())} no-ops), "
-                                       f"header says {r.changed}", r.name)
+        noops = _count_equal(old, new)
+        if pos.size != r.changed or noops:
+            raise MalformedRecordError(f"decoded {pos.size} changes ({noops} no-ops), header says {r.changed}", r.name)
         if updated_checksum(have, pos, old, new) != int(r.target_checksum, 16):
             raise TargetChecksumMismatchError("decoded tensor would not match the target checksum", r.name)
         deltas.append(SparseDelta(r.name, r.dtype, r.shape, pos, new, old))

@@ -6,12 +6,14 @@ against.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import zstandard
 
 from ..types import DtypeSpec
 from .errors import MalformedRecordError, PositionOutOfBoundsError
-from .frames import decompress_exact
+from .frames import iter_frame
 
 
 def pos_width(numel: int) -> int:
@@ -30,12 +32,47 @@ def encode_reference(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.
     return pos + val, {"pos_width": width, "pos_len": len(pos), "val_len": len(val)}
 
 
-def _decompress(data, expected: int, what: str, name: str) -> bytes:
-    return decompress_exact(data, expected, MalformedRecordError, f"{what} section", name)
+def _elements(pieces, dtype: np.dtype) -> Iterator[np.ndarray]:
+    """Whole little-endian elements of ``dtype`` from byte pieces (an element may straddle two)."""
+    carry = b""
+    for piece in pieces:
+        buf = carry + piece if carry else piece
+        whole = len(buf) - len(buf) % dtype.itemsize
+        carry = buf[whole:]
+        if whole:
+            yield np.frombuffer(buf, dtype=dtype, count=whole // dtype.itemsize)
+
+
+def _section(data, expected: int, what: str, name: str, dtype: np.dtype) -> Iterator[np.ndarray]:
+    return _elements(iter_frame(data, expected, MalformedRecordError, f"{what} section", name), dtype)
+
+
+def _positions(section, width: int, changed: int, numel: int, name: str) -> np.ndarray:
+    """Positions from the gap section, built piece by piece into one int64 array (8 B per change)."""
+    out, k, last = np.empty(changed, np.int64), 0, 0
+    for gaps in _section(section, changed * width, "position", name, np.dtype(f"<u{width}")):
+        n = gaps.size
+        if (gaps[0 if k else 1:] == 0).any():
+            raise PositionOutOfBoundsError("positions are not strictly increasing", name)
+        if int(gaps.max()) >= numel:
+            raise PositionOutOfBoundsError(f"gap beyond tensor of {numel} elements", name)
+        chunk = out[k : k + n]
+        np.cumsum(gaps, dtype=np.int64, out=chunk)
+        chunk += last
+        if width == 8 and ((chunk[0] <= last and k) or (np.diff(chunk) <= 0).any()):  # int64 wrapped
+            raise PositionOutOfBoundsError(f"position beyond tensor of {numel} elements", name)
+        if chunk[-1] >= numel:
+            raise PositionOutOfBoundsError(f"position {int(chunk[-1])} >= numel {numel}", name)
+        k, last = k + n, int(chunk[-1])
+    return out
 
 
 def decode_reference(body, params: dict, changed: int, base_bits: np.ndarray, spec: DtypeSpec, name: str):
-    """Positions and new bits of a ``reference`` record; validates, writes nothing."""
+    """Positions and new bits of a ``reference`` record; validates, writes nothing.
+
+    Memory: the outputs (8 B per change for positions, the element width for the new bits) plus
+    pieces of bounded size; the decompressed sections are never held whole.
+    """
     if set(params) != {"pos_width", "pos_len", "val_len"} or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in params.values()
     ):
@@ -43,15 +80,9 @@ def decode_reference(body, params: dict, changed: int, base_bits: np.ndarray, sp
     width, p_len, v_len = params["pos_width"], params["pos_len"], params["val_len"]
     if width != pos_width(base_bits.size) or p_len + v_len != len(body) or min(p_len, v_len) < 0:
         raise MalformedRecordError(f"params {params} inconsistent with body of {len(body)} bytes", name)
-    raw_pos = _decompress(body[:p_len], changed * width, "position", name)
-    raw_val = _decompress(body[p_len:], changed * spec.width, "value", name)
-    gaps = np.frombuffer(raw_pos, dtype=np.dtype(f"<u{width}")).astype(np.uint64)
-    if changed and (gaps[1:] == 0).any():
-        raise PositionOutOfBoundsError("positions are not strictly increasing", name)
-    if changed and int(gaps.max()) >= base_bits.size:
-        raise PositionOutOfBoundsError(f"gap beyond tensor of {base_bits.size} elements", name)
-    positions = np.cumsum(gaps.astype(np.int64))
-    if changed and positions[-1] >= base_bits.size:
-        raise PositionOutOfBoundsError(f"position {int(positions[-1])} >= numel {base_bits.size}", name)
-    xor = np.frombuffer(raw_val, dtype=spec.uint.newbyteorder("<")).astype(spec.uint)
-    return positions, base_bits[positions] ^ xor
+    positions = _positions(body[:p_len], width, changed, base_bits.size, name)
+    new, k = np.empty(changed, spec.uint), 0
+    for xor in _section(body[p_len:], changed * spec.width, "value", name, spec.uint.newbyteorder("<")):
+        np.bitwise_xor(base_bits[positions[k : k + xor.size]], xor, out=new[k : k + xor.size])
+        k += xor.size
+    return positions, new

@@ -16,9 +16,10 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
+
+from .launch import EXIT_TIMEOUT, JobTimeoutError, check_timeout, run_job
 
 MODELS = {"smollm2": "smollm2", "qwen3-moe-tiny": "qwen3-moe-tiny",
           "deepseek-tiny": "deepseek-tiny", "dense-tiny": "dense-tiny"}
@@ -43,7 +44,8 @@ def register(subparsers) -> None:
                    help="wrap the model in megatron DDP with the distributed optimizer (capture its slices)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps to check")
     p.add_argument("--layers", type=int, default=None, help="override the model's layers")
-    p.add_argument("--timeout", type=int, default=900, help="seconds before giving up")
+    p.add_argument("--timeout", type=float, default=900,
+                   help=f"seconds before the job (torchrun and every rank) is stopped; exit {EXIT_TIMEOUT}")
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.set_defaults(func=run)
 
@@ -52,6 +54,8 @@ def _validate(args) -> int:
     """World size after checking the layout against the model; raises LayoutError."""
     from nemo_dcr.layout import LayoutError, ParallelLayout, model_dims
 
+    if args.steps < 1:
+        raise LayoutError(f"--steps={args.steps}: at least one optimizer step is checked")
     dims = model_dims(MODELS[args.model], args.layers)
     etp = args.etp if args.etp is not None else (args.tp if dims.num_experts else 1)
     first, last = args.first_stage_layers, args.last_stage_layers
@@ -74,9 +78,10 @@ def _validate(args) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate, launch, report.  Exit code 0 when bit-exact, 1 otherwise, 2 bad layout."""
+    """Validate, launch, report.  Exit code 0 when bit-exact, 1 otherwise, 2 bad layout, 124 timeout."""
     from nemo_dcr.layout import LayoutError
 
+    check_timeout(args.timeout)
     try:
         world = _validate(args)
     except LayoutError as e:
@@ -91,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
             save_embedded_checkpoint(os.path.join(tmp, "model.safetensors"))
             cmd += ["--checkpoint", os.path.join(tmp, "model.safetensors")]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
+        try:
+            proc = run_job(cmd, env, args.timeout, capture=True)
+        except JobTimeoutError as exc:
+            print(f"check-layout: {exc}", file=sys.stderr)
+            return EXIT_TIMEOUT
         if proc.returncode != 0 or not os.path.exists(out):
             print(f"check-layout: workers failed (rc={proc.returncode}):\n"
                   f"{proc.stderr[-3000:]}", file=sys.stderr)
@@ -121,7 +129,7 @@ def _command(args, world: int, out: str) -> list[str]:
             cmd += [flag, str(n)]
     if args.etp is not None:
         cmd += ["--etp", str(args.etp)]
-    if args.layers:
+    if args.layers is not None:
         cmd += ["--layers", str(args.layers)]
     if args.ddp:
         cmd += ["--ddp"]

@@ -3,33 +3,65 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+import torch
+
 from .. import codec
+from ..checkpoint import DTYPE_NAMES, atomic_write, load_checkpoint
+from ..checkpoint_rewrite import rewrite_checkpoint
+from ..codec.auth import read_key_file
 from ..codec.stats import TensorStats, entropy_bits, layer_type, summarize
-from ..types import bits_view, spec_of
+from ..types import DTYPES, bits_view, spec_of
 from ..verify.checksum import tensor_checksum
 
 ENCODINGS = ("dcr", "reference")
 
 
 def _load(path: str):
-    from ..checkpoint import load_checkpoint
-
     return load_checkpoint(path)
 
 
 def _read_key(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    key = Path(path).read_bytes()
-    if len(key) < 16:
-        raise SystemExit(f"error: key file {path} holds {len(key)} bytes; at least 16 are needed")
-    return key
+    return None if path is None else read_key_file(path)
+
+
+_CARRIED = {s.torch_dtype for s in DTYPES.values()}
+
+
+def _split(tensors: dict) -> tuple[dict, dict]:
+    """(tensors a delta carries: the float dtypes of the wire format, the others)."""
+    carried = {n: t for n, t in tensors.items() if t.dtype in _CARRIED}
+    return carried, {n: t for n, t in tensors.items() if n not in carried}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+def _float_pair(base: dict, target: dict) -> tuple[dict, dict]:
+    """The tensors a delta carries; every other tensor (integer, bool, fp64, ...) must be identical
+    in BASE and TARGET (a delta carries no record for it and ``apply`` copies it from BASE).
+
+    Raises:
+        ValueError: naming the first such tensor, its dtype, and how BASE and TARGET differ.
+    """
+    (fb, ob), (ft, ot) = _split(base), _split(target)
+    for name in sorted(ob.keys() | ot.keys()):
+        a, b = ob.get(name, base.get(name)), ot.get(name, target.get(name))
+        if a is None or b is None or not _same(a.contiguous(), b.contiguous()):
+            t = a if a is not None else b
+            raise ValueError(
+                f"tensor {name!r} ({DTYPE_NAMES.get(t.dtype, t.dtype)}) differs between BASE and TARGET "
+                f"({_desc(a)} vs {_desc(b)}): deltas carry {', '.join(DTYPES)} tensors only; tensors of "
+                f"other dtypes must be identical and are copied from BASE")
+    return fb, ft
+
+
+def _desc(t) -> str:
+    return "absent" if t is None else f"{DTYPE_NAMES.get(t.dtype, t.dtype)}{list(t.shape)}"
 
 
 def _identity(args) -> codec.Identity:
@@ -61,7 +93,9 @@ def register(sub) -> None:
 
     p = sub.add_parser("apply", help="apply DELTA to BASE and write OUT (bit-identical to the target)")
     p.add_argument("base"), p.add_argument("delta")
-    p.add_argument("-o", "--output", required=True, help="checkpoint to write (file or directory, like BASE)")
+    p.add_argument("-o", "--output", required=True,
+                   help="checkpoint to write (file or folder, with BASE's files and metadata; other files in a "
+                        "folder are kept, so OUT may be BASE itself)")
     p.add_argument("--key-file", help="HMAC-SHA256 key file the delta was authenticated with")
     p.set_defaults(func=cmd_apply)
 
@@ -116,7 +150,7 @@ def _table(summary: dict, stats: list[TensorStats], per_tensor: bool) -> str:
 
 
 def cmd_diff(args) -> int:
-    stats = diff_stats(_load(args.base), _load(args.target))
+    stats = diff_stats(*_float_pair(_load(args.base), _load(args.target)))
     summary = summarize(stats)
     if args.json:
         summary["tensors"] = [{"name": r.name, "layer_type": r.layer_type, "numel": r.numel,
@@ -130,20 +164,13 @@ def cmd_diff(args) -> int:
     return 0
 
 
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".nemo_dcr_")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
 def cmd_encode(args) -> int:
     key = _read_key(args.key_file)
-    base, target = _load(args.base), _load(args.target)
+    if Path(args.output).is_dir():
+        raise IsADirectoryError(21, "is a folder; encode writes one delta file", args.output)
+    base, target = _float_pair(_load(args.base), _load(args.target))
     payload = codec.encode(base, target, _identity(args), args.encoding, key)
-    _atomic_write_bytes(args.output, payload)
+    atomic_write({Path(args.output): lambda f: f.write(payload)})
     header = codec.inspect(payload, key)
     changed = sum(r.changed for r in header.records)
     print(f"wrote {args.output}: {len(payload):,} bytes, {len(header.records)} tensors, "
@@ -152,24 +179,19 @@ def cmd_encode(args) -> int:
 
 
 def cmd_apply(args) -> int:
-    from ..checkpoint import save_checkpoint
-
+    """Apply a delta; writes only OUT's checkpoint files (see :mod:`nemo_dcr.checkpoint_rewrite`)."""
     key = _read_key(args.key_file)
     payload = Path(args.delta).read_bytes()
+    out = Path(args.output).resolve()  # "a/b/.." is "a", as the filesystem sees it
     base = {n: t.clone() for n, t in _load(args.base).items()}
-    header = codec.inspect(payload, key)
+    floats, _ = _split(base)
+    header = codec.inspect(payload, key, receiver=floats)  # a header BASE cannot justify is not parsed
     names = {r.name for r in header.records}
-    if names != set(base):
-        raise codec.DeltaFormatError(f"delta covers {len(names)} tensors, base has {len(base)}: "
-                                     f"missing {sorted(set(base) - names)[:5]}, extra {sorted(names - set(base))[:5]}")
-    touched = codec.apply(base, payload, key)
-    out = Path(args.output)
-    suffix = ".safetensors" if out.suffix == ".safetensors" else ""
-    tmp = out.with_name(f".{out.stem}.partial{suffix}")
-    save_checkpoint(base, tmp)
-    if out.is_dir():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    if names != set(floats):
+        raise codec.DeltaFormatError(f"delta covers {len(names)} tensors, base has {len(floats)}: "
+                                     f"missing {sorted(set(floats) - names)[:5]}, extra {sorted(names - set(floats))[:5]}")
+    touched = codec.apply(floats, payload, key)
+    rewrite_checkpoint(base, args.base, out)
     print(f"wrote {out}: {len(base)} tensors, {sum(touched.values()):,} elements changed in {len(touched)} tensors "
           f"(version {header.base_version} -> {header.target_version})")
     return 0

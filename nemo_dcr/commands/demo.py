@@ -6,8 +6,8 @@ Example::
     nemo-dcr demo --config configs/grpo_smollm2_cpu.yaml dcr.encoding=reference
 
 Launches ``tp * pp`` gloo ranks with torchrun on this machine (OMP_NUM_THREADS=1 each): the
-megatron-core trainer (fp32 master AdamW), the transformers engine producing sampled
-rollouts, a delta refit after every step checked bitwise against an independent dense export,
+megatron-core trainer (fp32 master AdamW), the engine producing sampled rollouts (vLLM in
+a process of its own by default; ``engine.kind=hf engine.placement=colocated`` for transformers), a delta refit after every step checked bitwise against an independent dense export,
 and a dense refit timed in the same run.  Prints one line per step and the summary.
 """
 
@@ -17,9 +17,10 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
+
+from .launch import EXIT_TIMEOUT, JobTimeoutError, check_timeout, run_job
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "grpo_smollm2_cpu.yaml"
 WORKER = "nemo_dcr.demo.grpo"
@@ -28,13 +29,14 @@ WORKER = "nemo_dcr.demo.grpo"
 def register(subparsers) -> None:
     """Add the ``demo`` parser."""
     p = subparsers.add_parser(
-        "demo", help="GRPO on CPU (megatron TP3/PP2 trainer, HF engine) with a delta refit per step",
+        "demo", help="GRPO on CPU (megatron TP3/PP2 trainer, vLLM engine by default) with a delta refit per step",
         description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: config run.steps)")
     p.add_argument("--summary-json", default=None, help="write the summary JSON here")
     p.add_argument("--config", default=None, help="recipe YAML (default: grpo_smollm2_cpu.yaml)")
     p.add_argument("--run-dir", default=None, help="output folder (default: config run.run_dir)")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds before the job is stopped")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help=f"seconds before the job (torchrun and every rank) is stopped; exit {EXIT_TIMEOUT}")
     p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     p.set_defaults(func=run)
 
@@ -58,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
     """Validate the config here (fast, clear errors), then launch the ranks and print the summary."""
     from nemo_dcr.config import load_config
 
+    check_timeout(args.timeout)
     config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
-    overrides = list(args.overrides) + ([f"run.steps={args.steps}"] if args.steps else []) + (
+    overrides = list(args.overrides) + ([f"run.steps={args.steps}"] if args.steps is not None else []) + (
         [f"run.run_dir={args.run_dir}"] if args.run_dir else [])
     cfg = load_config(config, overrides)
     Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
                TRANSFORMERS_VERBOSITY="error")
     print(f"nemo-dcr demo: {world} ranks (tp={cfg.trainer.tp} pp={cfg.trainer.pp}), "
           f"{cfg.run.steps} steps, encoding {cfg.dcr.encoding}, run dir {cfg.run.run_dir}", flush=True)
-    proc = subprocess.run(build_command(config, overrides, world, summary), env=env, timeout=args.timeout)
+    try:
+        proc = run_job(build_command(config, overrides, world, summary), env, args.timeout)
+    except JobTimeoutError as exc:
+        print(f"nemo-dcr demo: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
     if proc.returncode != 0:
         print(f"nemo-dcr demo: the ranks failed (exit {proc.returncode})", file=sys.stderr)
         return proc.returncode

@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -51,6 +52,8 @@ def load_yaml_tree(path: str | os.PathLike, _depth: int = 0) -> DictConfig:
         node = OmegaConf.load(path)
     except FileNotFoundError:
         raise ConfigError("", f"no such config file {str(path)!r}") from None
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ConfigError("", f"{path}: not valid YAML: {_first_line(exc)}") from None
     if not isinstance(node, DictConfig):
         raise ConfigError("", f"{path.name} must hold a mapping at the top level")
     parents = node.pop(DEFAULTS_KEY, None)
@@ -72,10 +75,21 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         key, sep, _ = item.partition("=")
         if not sep or not key or key.strip() != key or key.startswith(("+", "~")):
             raise ConfigError(key or item, f"override {item!r} must look like dotted.key=value")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError("", f"bad override: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+    parts = []
+    for item in overrides:  # one at a time, so that a value that is not YAML names its key
+        try:
+            parts.append(OmegaConf.from_dotlist([item]))
+        except (yaml.YAMLError, OmegaConfBaseException) as exc:
+            raise ConfigError(item.partition("=")[0], f"bad override {item!r}: {_first_line(exc)}") from None
+    return OmegaConf.merge(*parts) if parts else OmegaConf.create()
+
+
+def _first_line(exc: Exception) -> str:
+    """A parser error in one line (YAML problems carry their line and column)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or getattr(exc, "msg", None) or str(exc)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{str(what).splitlines()[0] if str(what) else type(exc).__name__}{where}"
 
 
 def _known_keys(node, prefix: str = "") -> list[str]:

@@ -9,6 +9,7 @@ error is a :class:`ConfigError` whose message starts with the dotted key
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 ENCODINGS = ("dcr", "reference", "raw")
@@ -26,6 +27,14 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str):
         self.key = key
         super().__init__(f"{key}: {message}" if key else message)
+
+
+def _finite(prefix: str, block) -> None:
+    """Every float field of ``block`` must be finite (NaN and Inf pass ``> 0``-style checks)."""
+    for f in fields(block):
+        value = getattr(block, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}.{f.name}", f"must be a finite number, got {value!r}")
 
 
 def _one_of(prefix: str, name: str, value, allowed) -> None:
@@ -76,6 +85,7 @@ class DcrConfig:
 
     def validate(self, prefix: str = "dcr") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
+        _finite(prefix, self)
         _one_of(prefix, "encoding", self.encoding, ENCODINGS)
         _one_of(prefix, "transport", self.transport, TRANSPORTS)
         _one_of(prefix, "baseline", self.baseline, BASELINES)
@@ -116,6 +126,7 @@ class TrainerConfig:
 
     def validate(self, prefix: str = "trainer") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
+        _finite(prefix, self)
         _one_of(prefix, "model", self.model, MODELS)
         for name in ("tp", "pp", "ep"):
             _at_least(prefix, name, getattr(self, name), 1)
@@ -146,6 +157,7 @@ class EngineConfig:
 
     def validate(self, prefix: str = "engine") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
+        _finite(prefix, self)
         _one_of(prefix, "kind", self.kind, ENGINES)
         _one_of(prefix, "placement", self.placement, PLACEMENTS)
         if self.kind == "vllm" and self.placement != "separate":
@@ -171,6 +183,7 @@ class TaskConfig:
 
     def validate(self, prefix: str = "task") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
+        _finite(prefix, self)
         _one_of(prefix, "name", self.name, TASKS)
         _at_least(prefix, "prompts_per_step", self.prompts_per_step, 1)
         _at_least(prefix, "group_size", self.group_size, 2)
@@ -190,6 +203,7 @@ class RunConfig:
 
     def validate(self, prefix: str = "run") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
+        _finite(prefix, self)
         _at_least(prefix, "steps", self.steps, 1)
         _at_least(prefix, "dense_compare_interval", self.dense_compare_interval, 0)
 
@@ -217,3 +231,7 @@ class RecipeConfig:
         if self.engine.rank >= world:
             raise ConfigError("engine.rank", f"must be < trainer world size {world}, "
                               f"got {self.engine.rank}")
+        if self.engine.placement == "separate" and self.dcr.transport != "gloo":
+            raise ConfigError("dcr.transport", f"a separate engine is reached over a gloo group of the trainer "
+                              f"ranks and the engine process: use gloo (got {self.dcr.transport!r}), or "
+                              f"engine.placement=colocated for the other transports")

@@ -1,7 +1,8 @@
-"""Generation side of the GRPO recipe: rollouts from the transformers engine, rewards, batches.
+"""Generation side of the GRPO recipe: rollouts from the engine, rewards, batches.
 
-The engine (:class:`nemo_dcr.integrations.hf.engine.HFEngine`) holds bf16 weights that the refit
-hook keeps bit-identical to the trainer's.  Each step samples ``group_size`` answers per
+The engine (:class:`nemo_dcr.integrations.vllm.engine.VllmEngine` or
+:class:`nemo_dcr.integrations.hf.engine.HFEngine`) holds bf16 weights that the refit keeps
+bit-identical to the trainer's.  Each step samples ``group_size`` answers per
 arithmetic prompt with the chat template (reusing :mod:`nemo_dcr.demo.task`),
 scores them with the exact-answer reward, and turns them into a right-padded token batch with
 per-label weights (the group-relative advantage on answer tokens) for the Megatron trainer.

@@ -23,8 +23,8 @@ in Megatron names are local to the chunk). See docs/layout.md.
 
 from nemo_dcr.layout.dims import ModelDims
 from nemo_dcr.layout.families import FAMILIES, Rule
-from nemo_dcr.layout.mappings import MegatronSpec
 from nemo_dcr.layout.hf_config import dims_from_hf_config, unmodelled_fields
+from nemo_dcr.layout.mappings import MegatronSpec
 from nemo_dcr.layout.models import HF_CONFIGS, MODELS, model_dims
 from nemo_dcr.layout.parallel import LayoutError, ParallelLayout, chunk_layers
 from nemo_dcr.layout.plan import LayoutPlan, ParamPlan, build_chunk_plans, build_plan

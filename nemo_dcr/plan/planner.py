@@ -9,8 +9,7 @@ from dataclasses import dataclass, replace
 from nemo_dcr.layout import MegatronSpec, ModelDims
 
 from .baselines import dense_refit, export_then_diff
-from .cost import (Phase, RankCost, TensorCosts, add_link_seconds, critical_path, engine_costs,
-                   trainer_costs)
+from .cost import Phase, RankCost, TensorCosts, add_link_seconds, critical_path, engine_costs, trainer_costs
 from .figures import Figures
 from .inputs import PlanSetup
 from .work import RankShare, ShareCache, TensorTable, engine_shares, tensor_table, trainer_shares

@@ -25,7 +25,7 @@ class Engine(Protocol):
     """What the server needs from an engine (``TensorEngine``, ``HFEngine``, vLLM extension)."""
 
     version: int
-    tensors: dict
+    # optional ``tensors: dict`` (canonical name -> whole tensor): only digest queries read it
 
     def apply(self, parts: Sequence[bytes]) -> ApplyResult: ...
     def resync(self, parts: Sequence[bytes]) -> ApplyResult: ...
@@ -94,6 +94,9 @@ class EngineServer:
             shards = placement() if placement else []
             shards = [shards] if isinstance(shards, dict) else list(shards)
             return EngineReply(True, self.engine.version, placement={"shards": shards} if shards else {})
+        if query == QUERY_DIGESTS and not hasattr(self.engine, "tensors"):  # sharded engines (vLLM)
+            return EngineReply(False, self.engine.version, reason=f"{type(self.engine).__name__} holds no whole "
+                               f"canonical tensors to digest: ask for checksums instead")
         ck = self.engine.checksums(full=query >= QUERY_FULL)
         dg = digests(self.engine.tensors) if query == QUERY_DIGESTS else {}
         return EngineReply(True, self.engine.version, checksums=ck, digests=dg, views=self._views())

@@ -22,9 +22,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.codec.auth import read_key_file
 from nemo_dcr.config.schema import ConfigError, DcrConfig
 from nemo_dcr.transport import DistTransport, InProcHub, StoreTransport, Transport, TransportUnavailableError
 from nemo_dcr.transport.mux import Mux
+from nemo_dcr.transport.store import new_run_id
 
 from .group import DistGroup, LocalGroup, TrainerGroup
 
@@ -69,8 +71,18 @@ def trainer_group() -> TrainerGroup:
     return DistGroup(dist.new_group(backend="gloo"))
 
 
-def _process_transport(cfg: DcrConfig, rank: int, world: int, key: bytes | None) -> tuple[Transport, list]:
-    """This process's endpoint of ``cfg.transport`` over the trainer processes (collective)."""
+def shared_run_id(group: TrainerGroup) -> str:
+    """A random run identity drawn by trainer rank 0 and handed to every trainer rank (collective)."""
+    mine = new_run_id().encode() if group.rank == 0 else b""
+    return group.exchange([mine] * group.size)[0].decode()
+
+
+def _process_transport(cfg: DcrConfig, rank: int, world: int, key: bytes | None,
+                       group: TrainerGroup) -> tuple[Transport, list]:
+    """This process's endpoint of ``cfg.transport`` over the trainer processes (collective).
+
+    The store transport authenticates with ``key`` or else the key file of ``cfg`` (read by the
+    one key-file rule), under a run identity shared by the trainer ranks."""
     kind = cfg.transport
     if kind == "inprocess":
         if world != 1:
@@ -78,7 +90,8 @@ def _process_transport(cfg: DcrConfig, rank: int, world: int, key: bytes | None)
                                                f"this job has {world} trainer processes (use gloo, nccl or store)")
         return InProcHub(1).transport(0), []
     if kind == "store":
-        return StoreTransport(cfg.url, rank, key), []
+        key = key if key is not None else read_key_file(cfg.key_file)
+        return StoreTransport(cfg.url, rank, key, run=shared_run_id(group)), []
     if kind == "cuda_ipc":
         raise TransportUnavailableError("dcr.transport=cuda_ipc carries payloads between processes on one GPU "
                                         "node; with a colocated engine use gloo or nccl")
@@ -103,7 +116,7 @@ def colocated_wiring(cfg: DcrConfig, engine_host: int = 0, key: bytes | None = N
     if not 0 <= engine_host < world:
         raise ConfigError("engine.rank", f"must be a trainer rank in [0, {world}), got {engine_host}")
     group = trainer_group()
-    base, closers = _process_transport(cfg, rank, world, key)
+    base, closers = _process_transport(cfg, rank, world, key, group)
     host = {r: r for r in range(world)}
     host[world] = engine_host
     mux = Mux(base, host)

@@ -1,9 +1,9 @@
 """Transports between trainer ranks and engine ranks (in-process, torch.distributed, fsspec, CUDA IPC)."""
 
-from .base import Envelope, MessageKind, Transport, TransportError, TransportUnavailableError
+from .base import Envelope, MessageKind, Transport, TransportError, TransportTimeout, TransportUnavailableError
 from .dist import DistTransport
 from .inproc import InProcHub, InProcTransport
 from .store import StoreTransport
 
 __all__ = ["DistTransport", "Envelope", "InProcHub", "InProcTransport", "MessageKind", "StoreTransport",
-           "Transport", "TransportError", "TransportUnavailableError"]
+           "Transport", "TransportError", "TransportTimeout", "TransportUnavailableError"]

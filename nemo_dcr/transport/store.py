@@ -1,24 +1,54 @@
 """Files and object stores through fsspec URLs (``file://``, ``memory://``, ``s3://``, ...).
 
-Every envelope becomes one object ``<url>/to-<dst>/<seq>-<sender>.env``, written under a
-temporary name and renamed into place (atomic on POSIX filesystems; object stores publish a
-PUT atomically), so a reader never sees half a message.  The object is the envelope bytes
-followed by an HMAC-SHA256 over them (the refit key), so a store that is shared across
-clusters cannot inject, alter or re-address messages; delta bodies additionally carry the
-codec's own MAC.  Readers delete what they consumed.
+Layout: every message is one object ``<url>/to-<dst>/run-<R>/from-<src>/<seq>.env`` (``seq``:
+16 digits, counting from 0 per sender and receiver), written under ``.tmp-<random>`` in the
+same folder and renamed into place (atomic on POSIX filesystems; object stores publish a PUT
+atomically), so a reader never sees half a message.
+
+The object is an authenticated frame: magic, run id, sender, receiver and sequence number, the
+envelope bytes, then HMAC-SHA256 over all of it with the refit key. Names only say where to
+look: a receiver reads exactly the next name it expects from each sender and checks the frame
+against it. So a store shared across clusters cannot inject or alter messages (the MAC; such an
+object raises :class:`TransportError`), re-address them to another sender or receiver, replay
+consumed ones, or deliver leftovers of an earlier run that used the same URL and key (the run
+id: random per transport group, agreed by all its endpoints); those objects are dropped with a
+:class:`StoreWarning` and counted in :attr:`StoreTransport.stats`. Order is by sequence number,
+never by clock. A receive costs one listing of the run folder (one entry per sender) and one
+read, whatever the backlog; while idle a receiver sweeps its folders at most every ``sweep_s``:
+it warns once about stray files and other runs' folders (never read), removes replayed objects
+and temp files abandoned for ``tmp_stale_s``, and skips past messages removed from the store.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
+import re
+import secrets
+import struct
 import time
 import uuid
+import warnings
+from dataclasses import replace
 
 from .base import Envelope, TransportError, TransportTimeout
 
 MAC_BYTES = 32
+MIN_KEY_BYTES = 16
+"""The key rule of docs/wire_format.md rule 5 (``nemo_dcr.codec.auth.MIN_KEY_BYTES``; a test keeps them equal)."""
+_FRAME = struct.Struct("<4sB16siiQ")  # magic, frame version, run id, sender, receiver, sequence
+_MAGIC = b"NDCS"
+_SEQ = re.compile(r"^(\d{16})\.env$")
+_FROM = re.compile(r"^from-(\d{1,9})$")
+
+
+class StoreWarning(UserWarning):
+    """An object in the store was ignored or removed (stray, replayed, re-addressed, another run)."""
+
+
+def new_run_id() -> str:
+    """A fresh random run identity (share it with every endpoint of the transport group)."""
+    return secrets.token_hex(16)
 
 
 class StoreTransport:
@@ -26,65 +56,197 @@ class StoreTransport:
 
     Args:
         url: base URL shared by all ranks.
-        rank: this process's rank.
-        key: HMAC key (at least 16 bytes) shared by all ranks.
-        poll_s: listing interval while waiting.
+        rank: this endpoint's rank.
+        key: HMAC key (raw bytes, at least 16) shared by all ranks.
+        run: identity of this transport group's run, the same for all its endpoints (any text;
+            default: a fresh random one, for endpoints created together in one process).
+        poll_s: interval between looks while waiting.
     """
 
-    def __init__(self, url: str, rank: int, key: bytes, poll_s: float = 0.01):
+    sweep_s = 1.0
+    """While idle, sweep this endpoint's folders at most this often (seconds)."""
+    tmp_stale_s = 300.0
+    """A temp file seen for this long (receiver's clock) belongs to a writer that died: removed."""
+
+    def __init__(self, url: str, rank: int, key: bytes, run: str | None = None, poll_s: float = 0.01):
         import fsspec
 
-        if len(key) < 16:
-            raise ValueError("the store transport needs an HMAC key of at least 16 bytes")
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"the store transport needs an HMAC key of at least {MIN_KEY_BYTES} bytes, got {len(key)}")
         self.fs, self.root = fsspec.core.url_to_fs(url)
-        self.rank = rank
-        self.key = key
-        self.poll_s = poll_s
+        self.root = self.root.rstrip("/")
+        self.rank, self.key, self.poll_s = rank, key, poll_s
+        self.run = new_run_id() if run is None else str(run)
+        self._run_id = hashlib.sha256(self.run.encode()).digest()[:16]
         self.bytes_sent = 0
-        self._seq = itertools.count()
-        self.fs.makedirs(self._box(rank), exist_ok=True)
+        self.stats = {"replays": 0, "other_run": 0, "misaddressed": 0, "strays": 0, "tmp_removed": 0, "lost": 0}
+        self._send_seq: dict[int, int] = {}
+        self._next: dict[int, int] = {}
+        self._rr = 0
+        self._last_sweep = float("-inf")
+        self._noted: set[str] = set()
+        self._tmp_seen: dict[str, float] = {}
+        self.fs.makedirs(self._run_dir(rank), exist_ok=True)
 
-    def _box(self, rank: int) -> str:
-        return f"{self.root.rstrip('/')}/to-{rank}"
+    def _run_dir(self, dst: int) -> str:
+        return f"{self.root}/to-{dst}/run-{self._run_id.hex()}"
 
-    def _mac(self, dst: int, data: bytes) -> bytes:
-        return hmac.new(self.key, dst.to_bytes(4, "little") + data, hashlib.sha256).digest()
+    def _mac(self, frame: bytes) -> bytes:
+        return hmac.new(self.key, frame, hashlib.sha256).digest()
 
     def send(self, dst: int, env: Envelope) -> None:
-        """Write the authenticated envelope atomically into ``dst``'s folder."""
-        data = env.to_bytes()
-        box = self._box(dst)
-        self.fs.makedirs(box, exist_ok=True)
-        name = f"{time.time_ns():020d}-{next(self._seq):08d}-{self.rank:05d}.env"
-        tmp = f"{box}/.tmp-{uuid.uuid4().hex}"
-        with self.fs.open(tmp, "wb") as f:
-            f.write(data + self._mac(dst, data))
-        self.fs.mv(tmp, f"{box}/{name}")
-        self.bytes_sent += len(data)
+        """Write the authenticated frame atomically as ``dst``'s next message from this rank."""
+        env = env if env.receiver >= 0 else replace(env, receiver=dst)
+        seq = self._send_seq.get(dst, 0)
+        folder = f"{self._run_dir(dst)}/from-{self.rank}"
+        frame = _FRAME.pack(_MAGIC, 1, self._run_id, self.rank, dst, seq) + env.to_bytes()
+        self.fs.makedirs(folder, exist_ok=True)
+        tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(frame + self._mac(frame))
+            self.fs.mv(tmp, f"{folder}/{seq:016d}.env")
+        except BaseException:
+            self._remove(tmp)
+            raise
+        self._send_seq[dst] = seq + 1
+        self.bytes_sent += len(env.body)
 
     def flush(self) -> None:
         """Writes are synchronous."""
 
-    def _next(self, src: int | None) -> str | None:
-        for path in sorted(self.fs.ls(self._box(self.rank), detail=False)):
-            base = path.rsplit("/", 1)[-1]
-            if base.startswith(".tmp-") or not base.endswith(".env"):
-                continue
-            if src is None or int(base[:-4].rsplit("-", 1)[1]) == src:
-                return path
+    def recv(self, src: int | None = None, timeout: float | None = None) -> Envelope:
+        """The next authenticated envelope from ``src`` (any sender when None).
+
+        Raises:
+            TransportTimeout: nothing arrived within ``timeout`` seconds.
+            TransportError: an object at an expected name fails its MAC (removed).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            env = self._poll(src)
+            if env is not None:
+                return env
+            if time.monotonic() - self._last_sweep >= self.sweep_s:
+                self._sweep()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransportTimeout(f"rank {self.rank}: nothing from {'any sender' if src is None else src} "
+                                       f"in {self._run_dir(self.rank)} within {timeout}s")
+            time.sleep(self.poll_s)
+
+    def _poll(self, src: int | None) -> Envelope | None:
+        senders = [src] if src is not None else self._senders()
+        for i in range(len(senders)):
+            s = senders[(self._rr + i) % len(senders)]
+            env = self._take(s)
+            if env is not None:
+                self._rr = (self._rr + i + 1) % len(senders)
+                return env
         return None
 
-    def recv(self, src: int | None = None, timeout: float | None = None) -> Envelope:
-        """Oldest authenticated envelope for this rank; a bad MAC raises and is deleted."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (path := self._next(src)) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransportTimeout(f"rank {self.rank}: nothing in {self._box(self.rank)} within {timeout}s")
-            time.sleep(self.poll_s)
-        with self.fs.open(path, "rb") as f:
-            raw = f.read()
-        self.fs.rm(path)
-        data, mac = raw[:-MAC_BYTES], raw[-MAC_BYTES:]
-        if len(raw) < MAC_BYTES or not hmac.compare_digest(mac, self._mac(self.rank, data)):
-            raise TransportError(f"{path}: envelope MAC does not match (tampered, re-addressed or wrong key)")
-        return Envelope.from_bytes(data)
+    def _senders(self) -> list[int]:
+        """Senders that have a folder in this run (one listing: an entry per sender)."""
+        out = []
+        for path in self._ls(self._run_dir(self.rank)):
+            name = path.rsplit("/", 1)[-1]
+            m = _FROM.match(name)
+            if m:
+                out.append(int(m.group(1)))
+            elif self._note(path):
+                self.stats["strays"] += 1
+                warnings.warn(f"{path}: stray object in a run folder, ignored", StoreWarning, stacklevel=4)
+        return sorted(out)
+
+    def _take(self, src: int) -> Envelope | None:
+        seq = self._next.get(src, 0)
+        path = f"{self._run_dir(self.rank)}/from-{src}/{seq:016d}.env"
+        try:
+            raw = self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        self._remove(path)  # consumed or refused: read once
+        head = self._open(path, raw)
+        problem = self._check(head, src, seq)
+        if problem:
+            warnings.warn(f"{path}: {problem[1]}; dropped", StoreWarning, stacklevel=4)
+            self.stats[problem[0]] += 1
+            return None
+        self._next[src] = seq + 1
+        return Envelope.from_bytes(raw[_FRAME.size:-MAC_BYTES])
+
+    def _open(self, path: str, raw: bytes) -> tuple:
+        frame = raw[:-MAC_BYTES]
+        if len(raw) < _FRAME.size + MAC_BYTES or not hmac.compare_digest(raw[-MAC_BYTES:], self._mac(frame)):
+            raise TransportError(f"{path}: envelope MAC does not match (tampered, truncated or another key)")
+        head = _FRAME.unpack_from(raw)
+        if head[0] != _MAGIC or head[1] != 1:
+            raise TransportError(f"{path}: authenticated object is not a version-1 store frame")
+        return head
+
+    def _check(self, head: tuple, src: int, seq: int) -> tuple[str, str] | None:
+        _, _, run, sender, receiver, got_seq = head
+        if run != self._run_id:
+            return "other_run", "message of another run (a leftover with the same URL and key)"
+        if sender != src or receiver != self.rank:
+            return "misaddressed", f"message from {sender} to {receiver} found where {src} -> {self.rank} belongs"
+        if got_seq != seq:
+            return "replays", f"message #{got_seq} found where #{seq} belongs (a replay)"
+        return None
+
+    def _sweep(self) -> None:
+        """Warn about strays and other runs, remove replays and abandoned temp files, skip lost messages."""
+        self._last_sweep = time.monotonic()
+        mine = self._run_dir(self.rank)
+        for path in self._ls(mine.rsplit("/", 1)[0]):
+            if path != mine and self._note(path):
+                self.stats["strays"] += 1
+                warnings.warn(f"{path}: not this run's folder (another run's leftovers, or a stray); never read",
+                              StoreWarning, stacklevel=4)
+        for src in self._senders():
+            self._sweep_sender(src, f"{mine}/from-{src}")
+
+    def _sweep_sender(self, src: int, folder: str) -> None:
+        expected, ahead = self._next.get(src, 0), []
+        for path in self._ls(folder):
+            name = path.rsplit("/", 1)[-1]
+            m = _SEQ.match(name)
+            if name.startswith(".tmp-"):
+                first = self._tmp_seen.setdefault(path, time.monotonic())
+                if time.monotonic() - first >= self.tmp_stale_s:
+                    self._remove(path)
+                    self._tmp_seen.pop(path, None)
+                    self.stats["tmp_removed"] += 1
+            elif m and int(m.group(1)) < expected:
+                self._remove(path)
+                self.stats["replays"] += 1
+                warnings.warn(f"{path}: message #{int(m.group(1))} was already received (a replay); removed",
+                              StoreWarning, stacklevel=5)
+            elif m:
+                ahead.append(int(m.group(1)))
+            elif self._note(path):
+                self.stats["strays"] += 1
+                warnings.warn(f"{path}: stray object, ignored", StoreWarning, stacklevel=5)
+        if ahead and expected not in ahead:  # senders publish in order: the ones before are gone
+            self.stats["lost"] += min(ahead) - expected
+            warnings.warn(f"{folder}: messages #{expected}..#{min(ahead) - 1} from rank {src} are missing from the "
+                          f"store; continuing at #{min(ahead)}", StoreWarning, stacklevel=5)
+            self._next[src] = min(ahead)
+
+    def _ls(self, folder: str) -> list[str]:
+        try:
+            return [p.rstrip("/") for p in self.fs.ls(folder, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    def _note(self, path: str) -> bool:
+        """True the first time ``path`` is seen (warn once per object)."""
+        if path in self._noted:
+            return False
+        self._noted.add(path)
+        return True
+
+    def _remove(self, path: str) -> None:
+        try:
+            self.fs.rm(path)
+        except FileNotFoundError:
+            pass

@@ -23,7 +23,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _K_IDX = np.uint64(0x9E3779B97F4A7C15)
 _K_BITS = np.uint64(0xD6E8FEB86659FD93)
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20  # hash_sum's temporaries: a few 8-byte arrays of this many elements
 _TILE = 1 << 15  # tensor_checksum_np works on cache-sized tiles, in place
 _IDX_MUL = np.arange(_TILE, dtype=np.uint64) * _K_IDX
 MASK64 = (1 << 64) - 1

@@ -31,6 +31,7 @@ LAYERS = {
     "verify": 2,
     "codec": 3, "layout": 3, "transport": 3, "config": 3, "telemetry": 3,
     "capture": 4, "checkpoint": 4,
+    "checkpoint_rewrite": 5,
     "apply": 5, "quant": 5,
     "refit": 6,
     "integrations.megatron": 7, "integrations.hf": 7, "integrations.vllm": 7,

@@ -23,7 +23,7 @@ import pytest
 import torch
 import zstandard
 
-from nemo_dcr.codec import apply, decode, encode, inspect
+from nemo_dcr.codec import apply, decode, encode, header_limit, inspect
 from nemo_dcr.codec.errors import (
     AuthenticationError,
     BadMagicError,
@@ -278,7 +278,7 @@ def test_preamble_bit_flips(encoding, keyname):
             else:
                 exc = AuthenticationError if key is not None else DeltaFormatError
         else:
-            if h_raw > MAX_HEADER:
+            if h_raw > min(MAX_HEADER, header_limit(fresh_base())):  # the receiver's bound (rule 3)
                 exc = HeaderTooLargeError
             else:
                 exc = AuthenticationError if key is not None else MalformedHeaderError
@@ -455,15 +455,22 @@ HEADER_CASES = {
 }
 
 
+def expect_header(exc, data, key):
+    """``inspect`` (no receiver) raises ``exc``; a receiver refuses a header larger than its bound
+    (rule 3) before parsing it, so ``apply``/``decode`` raise ``HeaderTooLargeError`` for those."""
+    with pytest.raises(exc):
+        inspect(data, key=key)
+    too_large = PRE.unpack_from(data)[4] > header_limit(fresh_base())
+    expect(HeaderTooLargeError if too_large else exc, data, key)
+
+
 @pytest.mark.parametrize("case", sorted(HEADER_CASES))
 @pytest.mark.parametrize("keyname", KEYS)
 def test_malformed_headers(case, keyname):
     edit, exc = HEADER_CASES[case]
     key = KEYS[keyname]
     data = with_header(payload("dcr"), edit, key, fix=False)
-    expect(exc, data, key)
-    with pytest.raises(exc):
-        inspect(data, key=key)
+    expect_header(exc, data, key)
 
 
 @pytest.mark.parametrize("keyname", KEYS)
@@ -556,12 +563,12 @@ def test_header_deeply_nested_json(keyname):
     """json.loads' RecursionError is a MalformedHeaderError, not an escaping exception."""
     key = KEYS[keyname]
     for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
-        expect(MalformedHeaderError, build({"records": []}, [], key, raw=raw), key)
+        expect_header(MalformedHeaderError, build({"records": []}, [], key, raw=raw), key)
     # nested deep inside an otherwise valid header
     p = Parts(payload("dcr"))
     raw = json.dumps(p.obj, separators=(",", ":")).encode()
     raw = raw.replace(b'"run":""', b'"run":' + b"[" * 100_000 + b"]" * 100_000, 1)
-    expect(MalformedHeaderError, build(copy.deepcopy(p.obj), list(p.bodies), key, raw=raw), key)
+    expect_header(MalformedHeaderError, build(copy.deepcopy(p.obj), list(p.bodies), key, raw=raw), key)
 
 
 @pytest.mark.parametrize("keyname", KEYS)

@@ -40,6 +40,7 @@ def test_overrides_win_and_parse_yaml_values():
     ("dcr.verify_interval=-1", "dcr.verify_interval", ">= 0"),
     ("task.group_size=1", "task.group_size", ">= 2"),
     ("engine.rank=6", "engine.rank", "world size"),
+    ("dcr.transport=inprocess", "dcr.transport", "separate engine is reached over a gloo group"),
     ("trainer.ep=2", "trainer.ep", "dense model"),
     ("nosuch.key=1", "nosuch", "unknown key"),
 ])
@@ -106,3 +107,38 @@ def test_nemo_rl_recipe_snippet_turns_dcr_on(tmp_path):
     (tmp_path / "key").write_bytes(b"k" * 32)  # the shared folder and key do not exist on this machine
     kwargs.update(url=str(tmp_path / "refit"), key_file=str(tmp_path / "key"))
     DcrCheckpointEngine(bucket_size=1 << 20, **kwargs)  # every key is accepted
+
+
+def _float_fields():
+    from dataclasses import fields
+
+    for block in fields(RecipeConfig):
+        for f in fields(block.default_factory()):
+            if f.type == "float":
+                yield f"{block.name}.{f.name}"
+
+
+@pytest.mark.parametrize("value", ["nan", ".nan", "inf", "-inf", ".inf"])
+@pytest.mark.parametrize("key", list(_float_fields()))
+def test_nan_and_inf_are_refused_for_every_float_field(key, value):
+    with pytest.raises(ConfigError) as err:
+        load_config(CFG, [f"{key}={value}"])
+    assert err.value.key == key and "finite" in str(err.value)
+
+
+def test_there_are_float_fields_to_check():
+    assert {"trainer.lr", "trainer.weight_decay", "engine.temperature", "dcr.bucket_size_mb"} <= set(_float_fields())
+
+
+@pytest.mark.parametrize("text", ["run: {steps: 2\n", "run:\n  steps: 1\n bad: [\n", "\t- x: : :\n"])
+def test_malformed_yaml_is_a_config_error(tmp_path, text):
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize("override", ["trainer.lr=[1", "run.steps={a: ", "dcr.url='x"])
+def test_unparsable_override_value_is_a_config_error(override):
+    with pytest.raises(ConfigError) as err:
+        load_config(CFG, [override])
+    assert err.value.key == override.partition("=")[0]

@@ -208,3 +208,38 @@ def test_owners_balance_by_size_and_pack_roundtrips():
     back = unpack(pack([d]))[0]
     assert back.positions.tolist() == [1, 9, 30] and back.new_bits.tolist() == [7, 8, 9]
     assert back.old_bits.tolist() == [1, 2, 3] and back.shape == (8, 4) and back.dtype == "bf16"
+
+
+class _ShardedEngine:
+    """An engine without whole canonical ``tensors`` (as vLLM's): it only forwards the verbs."""
+
+    def __init__(self, inner: TensorEngine):
+        self._inner = inner
+
+    @property
+    def version(self) -> int:
+        return self._inner.version
+
+    def apply(self, parts):
+        return self._inner.apply(parts)
+
+    def resync(self, parts):
+        return self._inner.resync(parts)
+
+    def checksums(self, full: bool = False):
+        return self._inner.checksums(full)
+
+
+def test_a_digest_query_to_an_engine_without_whole_tensors_is_refused_not_crashed():
+    from nemo_dcr.refit.messages import QUERY_DIGESTS, QUERY_FULL
+
+    trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
+    refit = _refit(trainer, _ShardedEngine(_engine()))
+    try:
+        assert refit.attach().resynced
+        refused = refit.sender.query(QUERY_DIGESTS)[0]
+        assert not refused.ok and "_ShardedEngine holds no whole canonical tensors" in refused.reason
+        state = refit.sender.query(QUERY_FULL)[0]  # the server still answers
+        assert state.ok and set(state.checksums) == set(SHAPES)
+    finally:
+        refit.close(5)

@@ -15,8 +15,7 @@ import pytest
 
 from nemo_dcr.cli import main
 from nemo_dcr.codec.stats import layer_type
-from nemo_dcr.layout import (HF_CONFIGS, LayoutError, MegatronSpec, canonical_shapes, dims_from_hf_config,
-                             model_dims)
+from nemo_dcr.layout import HF_CONFIGS, LayoutError, MegatronSpec, canonical_shapes, dims_from_hf_config, model_dims
 from nemo_dcr.plan import figures as F
 from nemo_dcr.plan.inputs import EngineLayout, Hardware, PlanSetup, TrainerLayout
 from nemo_dcr.plan.planner import make_plan, rank_shares

@@ -1,4 +1,4 @@
-"""Transports: envelopes round-trip, order per pair, chunking, timeouts, authenticated stores."""
+"""Transports: envelopes round-trip, order per pair, chunking, timeouts (the store: test_transport_store.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from nemo_dcr.transport import (
     Envelope,
     InProcHub,
     MessageKind,
-    StoreTransport,
     TransportError,
     TransportUnavailableError,
 )
@@ -85,25 +84,6 @@ def test_dist_transport_close_names_the_rank_that_never_closed(tmp_path):
     b.close(timeout=10)  # the late peer closes; both receivers end
     a._receiver.join(10)
     assert not a._receiver.is_alive() and not b._receiver.is_alive()
-
-
-@pytest.mark.parametrize("scheme", ["memory", "file"])
-def test_store_transport_atomic_and_authenticated(tmp_path, scheme):
-    pytest.importorskip("fsspec")
-    url = f"memory://refit-{scheme}-test" if scheme == "memory" else f"file://{tmp_path}/box"
-    a, b = StoreTransport(url, 0, KEY), StoreTransport(url, 1, KEY)
-    for i in range(3):
-        a.send(1, _env(i, 3000))
-    assert [b.recv(timeout=1).version for _ in range(3)] == [0, 1, 2]
-    assert not [p for p in a.fs.ls(b._box(1), detail=False) if ".tmp-" in p]
-    StoreTransport(url, 0, b"x" * 32).send(1, _env(7))
-    with pytest.raises(TransportError, match="MAC"):
-        b.recv(timeout=1)
-    a.send(0, _env(8))  # a message for rank 0 moved into rank 1's box is refused
-    path = a._next(None)
-    a.fs.mv(path, b._box(1) + "/" + path.rsplit("/", 1)[-1])
-    with pytest.raises(TransportError, match="MAC"):
-        b.recv(timeout=1)
 
 
 def test_cuda_ipc_unavailable_on_cpu():

@@ -56,7 +56,7 @@ class PolicySide:
         self.owned = sorted(n for n, r in owners.items() if r == rank)
         held = dict(held or {})
         self.held = {n: held[n] if n in held and self._fits(n, held[n]) else self._empty(n) for n in self.owned}
-        self.transport = SyncTransport(topo.folder, rank, key)
+        self.transport = SyncTransport(topo.folder, rank, key, topo.session)
         self.group = TransportGroup(self.transport, range(topo.train_world), options.timeout_s)
         self.refit: DeltaRefit | None = None
         self.syncs = 0

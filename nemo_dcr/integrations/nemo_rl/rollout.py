@@ -172,7 +172,7 @@ class RolloutSide:
     def __init__(self, engine: InPlaceEngine, topo: Topology, rollout_rank: int, key: bytes, timeout_s: float):
         self.engine, self.topo = engine, topo
         self.rank = topo.train_world + rollout_rank
-        self.transport = SyncTransport(topo.folder, self.rank, key)
+        self.transport = SyncTransport(topo.folder, self.rank, key, topo.session)
         self.timeout_s = timeout_s
         self.syncs = 0
         self.last: dict = {}

@@ -122,16 +122,20 @@ def policy_metadata(nonce: str) -> dict:
 
 class SyncTransport:
     """A :class:`~nemo_dcr.transport.StoreTransport` whose folder is ``<session>/sync-<n>`` for the
-    current sync ``n`` (:meth:`begin`); otherwise the same ``send`` / ``recv`` / ``flush``.
+    current sync ``n`` (:meth:`begin`) and whose run identity is ``<session>:sync-<n>`` (every
+    endpoint derives it from NeMo-RL's metadata, so all agree without talking, and a frame of
+    another session or sync is dropped by the transport); otherwise the same ``send`` / ``recv`` /
+    ``flush``.
 
     Args:
         folder: the session folder.
         rank: this endpoint's refit-group rank.
         key: HMAC key.
+        session: the session's name (:attr:`Topology.session`).
     """
 
-    def __init__(self, folder: str, rank: int, key: bytes):
-        self.session_folder, self.rank, self.key = folder, rank, key
+    def __init__(self, folder: str, rank: int, key: bytes, session: str):
+        self.session_folder, self.rank, self.key, self.session = folder, rank, key, session
         self.sync = 0
         self._inner: StoreTransport | None = None
 
@@ -143,7 +147,7 @@ class SyncTransport:
     def begin(self, sync: int) -> None:
         """Move to sync ``sync``; this endpoint's inboxes of earlier syncs are deleted."""
         self.sync = sync
-        self._inner = StoreTransport(self.folder, self.rank, self.key)
+        self._inner = StoreTransport(self.folder, self.rank, self.key, run=f"{self.session}:sync-{sync:06d}")
         remove_stale(self.session_folder, sync, inbox=self.rank)
 
     def _t(self) -> StoreTransport:
