@@ -228,3 +228,13 @@ def test_refit_cfg_errors_name_the_key(refit_cfg):
         bad = refit_cfg["key_file"] + ".short"
         open(bad, "wb").write(b"abc")
         DcrCheckpointEngine(1 << 20, **{**kw, "key_file": bad})
+
+
+def test_key_file_is_read_by_the_one_rule(refit_cfg, tmp_path):
+    """The plugin's key is the key file's raw bytes (surrounding whitespace and a trailing newline
+    included), as for every other entry point (``codec.auth.read_key_file``)."""
+    kw = {k: v for k, v in refit_cfg.items() if k != "update_weights_bucket_memory_ratio"}
+    raw = b" 0123456789abcdef0123\n"
+    path = tmp_path / "ws.key"
+    path.write_bytes(raw)
+    assert DcrCheckpointEngine(1 << 20, **{**kw, "key_file": str(path)}).key == raw
