@@ -273,7 +273,8 @@ def record_loader_calls(model: torch.nn.Module, names: Iterable[tuple[str, Seque
 
 def probe_model(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
                 calls: Mapping[str, Sequence[LoaderCall]], get_loader: Callable[[torch.nn.Parameter], Callable],
-                dtype: torch.dtype = torch.int64, fills: Fills | None = None) -> dict[str, TensorPlacement]:
+                dtype: torch.dtype = torch.int64, fills: Fills | None = None,
+                device: str | torch.device | None = None) -> dict[str, TensorPlacement]:
     """Probe every recorded loader call; the param's data is swapped for the probe buffer meanwhile.
 
     Args:
@@ -283,6 +284,9 @@ def probe_model(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
         get_loader: the param's real loader (``param.weight_loader`` or a default).
         dtype: probe dtype (see :func:`probe_tensor`).
         fills: collects the constants loaders write (see :func:`probe_tensor`).
+        device: where the probe buffers live (default: each param's device).  ``"cpu"`` keeps the
+            transient buffers (8 bytes per element of the probed param, one at a time) off a GPU
+            whose memory the engine has already reserved; the loaders then copy on the host.
 
     Returns:
         Canonical name -> placement, for the tensors this rank holds.
@@ -293,7 +297,7 @@ def probe_model(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
         for c in cs:
             param = params[c.param]
             tp = probe_tensor(name, shapes[name], c.param, tuple(param.shape),
-                              _swapped(param, get_loader(param), c), dtype, param.device, fills)
+                              _swapped(param, get_loader(param), c), dtype, device or param.device, fills)
             if tp is None:
                 continue
             if name in out:

@@ -45,15 +45,16 @@ class RoutedEngine:
         placement: canonical name -> placement on this rank (with primary holders assigned).
         version: the version the params hold.
         key: HMAC key every payload must carry.
+        keep_index: keep ``dcr`` class indexes of the views (see :class:`~.engine.TensorEngine`).
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], placement: RankPlacement, version: int = 0,
-                 key: bytes | None = None):
+                 key: bytes | None = None, keep_index: bool = True):
         self.params = dict(params)
         self.placement = dict(placement)
         views = {n: ShardView(self.params[tp.param], tp.runs) for n, tp in self.placement.items()}
-        self.inner = TensorEngine(views, version, key)
-        self.inner.build_indexes()  # the first refit then decodes in proportion to its changes
+        self.inner = TensorEngine(views, version, key, keep_index)
+        self.inner.build_indexes()  # the first refit then decodes in proportion to its changes (if kept)
         self._canonical = {n: self._scan(n) for n in self.placement}
 
     @property
@@ -132,6 +133,11 @@ class RoutedEngine:
             with self.inner.guard.read():
                 self._canonical = {n: self._scan(n) for n in self.placement}
         return dict(self._canonical)
+
+    def view_checksums(self) -> dict[str, int]:
+        """Checksum of every view this rank holds, in view index space (replicated elements
+        included): what the sender expects from its mirror, per engine rank."""
+        return self.inner.checksums()
 
     def serving(self):
         """Hold the current version for one generation."""

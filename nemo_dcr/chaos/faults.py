@@ -16,6 +16,7 @@ Fault kinds and how each is meant to be caught (the catch is measured, see :mod:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from nemo_dcr.codec.header import PREAMBLE, read_preamble
@@ -62,7 +63,7 @@ def corrupt(envs: list[Envelope], rng: random.Random, keyed: bool, log: list) ->
         body[k] ^= rng.randint(1, 255)
     e = envs[i]
     out = list(envs)
-    out[i] = Envelope(e.kind, e.version, e.sender, e.part, e.last, bytes(body), e.receiver)
+    out[i] = dataclasses.replace(e, body=bytes(body))
     return out
 
 

@@ -3,12 +3,14 @@
 Used where the trainer side hands over Hugging Face-named tensors: NeMo-RL's export on each
 policy rank, the refit benchmark.  The layout is the identity; with ``owned``, this rank
 captures only those tensors (every other tensor gets an empty range), so several ranks that all
-see the whole export split the capture, routing and encoding between them.
+see the whole export split the capture, routing and encoding between them.  With ``canonical``
+(the model-wide table), a rank holds only the tensors it captures: NeMo-RL's policy workers keep
+a copy of the canonical tensors they own and drop the rest of the export.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -22,10 +24,13 @@ class CanonicalSource:
 
     Args:
         tensors: canonical name -> live tensor (contiguous); written in place by the caller.
-        owned: names this rank captures (default: all).
+        owned: names this rank captures (default: all of ``tensors``).
+        canonical: every canonical tensor of the model, name -> (wire dtype name, shape)
+            (default: the table of ``tensors``); each held tensor must match its entry.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], owned: Iterable[str] | None = None):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], owned: Iterable[str] | None = None,
+                 canonical: Mapping[str, tuple[str, Sequence[int]]] | None = None):
         self.params = dict(tensors)
         bad = [n for n, t in self.params.items() if not t.is_contiguous()]
         if bad:
@@ -34,7 +39,13 @@ class CanonicalSource:
         unknown = sorted(own - set(self.params))
         if unknown:
             raise ValueError(f"owned names not among the tensors: {unknown[:5]}")
-        self.canonical = {n: (spec_of(t.dtype).name, tuple(t.shape)) for n, t in self.params.items()}
+        held = {n: (spec_of(t.dtype).name, tuple(t.shape)) for n, t in self.params.items()}
+        self.canonical = held if canonical is None else {n: (d, tuple(int(x) for x in s))
+                                                         for n, (d, s) in canonical.items()}
+        wrong = [f"{n}: held {held[n]}, table {self.canonical.get(n, 'missing')}"
+                 for n in held if self.canonical.get(n) != held[n]]
+        if wrong:
+            raise ValueError(f"held tensors disagree with the canonical table: {wrong[:5]}")
         self.ranges = {n: (0, t.numel()) if n in own else (0, 0) for n, t in self.params.items()}
 
     def _captured(self):

@@ -20,7 +20,7 @@ changes when the engines acknowledge.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -72,6 +72,30 @@ class Fanout:
         if key not in self._checksums:
             self._checksums[key] = tensor_checksum(self.view_bits(rank, name))
         return self._checksums[key]
+
+    def view_mismatches(self, names: Sequence[str], views: Mapping[object, Mapping[str, int] | None],
+                        current: Callable[[str], np.ndarray] | None = None
+                        ) -> tuple[list[tuple[str, object, int, int | None]], int]:
+        """Compare the views of ``names`` each engine shard in ``views`` (route key -> what it
+        reported; None: it did not answer, so every view it holds differs) reported with the
+        expected values: from the committed mirror, or from ``current(name)`` (canonical flat bits:
+        the trainer's state) when given.
+
+        Returns:
+            ``(name, route key, expected, reported)`` of each differing view, and the views compared.
+        """
+        out, compared = [], 0
+        for name in names:
+            bits = None if current is None else current(name)
+            for rank, placement in self.routes.items():
+                if name not in placement or rank not in views:
+                    continue
+                compared += 1
+                got = None if views[rank] is None else views[rank].get(name)
+                want = self._checksum(rank, name) if bits is None else tensor_checksum(self.view_bits(rank, name, bits))
+                if got != want:
+                    out.append((name, rank, want, got))
+        return out, compared
 
     def split(self, deltas: Sequence[SparseDelta]) -> dict[object, list[SparseDelta]]:
         """Canonical deltas cut into each engine shard's view index space (held elements only)."""

@@ -1,16 +1,22 @@
 """The trainer ranks as a group: exchange sparse buckets, sum checksums, agree on outcomes.
 
 :class:`LocalGroup` is a single trainer process; :class:`DistGroup` runs over a
-``torch.distributed`` process group of trainer ranks (gloo or NCCL-with-CPU-tensors via gloo).
+``torch.distributed`` process group of trainer ranks (gloo or NCCL-with-CPU-tensors via gloo);
+:class:`TransportGroup` runs over any :class:`~nemo_dcr.transport.Transport` (``ROUTE``
+messages), for trainer processes that share no process group (NeMo-RL's policy workers).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+import json
+import time
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
+from nemo_dcr.transport.base import TransportTimeout
 from nemo_dcr.verify.checksum import MASK64
 
 
@@ -112,3 +118,89 @@ class DistGroup:
         t = torch.tensor(list(values), dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
+
+
+class TransportGroup:
+    """Trainer ranks that reach each other through a transport (``ROUTE`` envelopes).
+
+    Every collective is one envelope from each member to each other member, numbered in the
+    envelope's ``version`` field; members must call the collectives in the same order (as with
+    any process group).  An envelope of an earlier collective (a leftover) is dropped and
+    counted in :attr:`stale_dropped`; anything else out of order is an error.
+
+    Args:
+        transport: this member's endpoint.
+        ranks: transport ranks of the members, in group order (``transport.rank`` among them).
+        timeout: seconds to wait for one member's contribution to a collective.
+    """
+
+    def __init__(self, transport: Transport, ranks: Sequence[int], timeout: float = 300.0):
+        self.transport = transport
+        self.ranks = [int(r) for r in ranks]
+        if len(set(self.ranks)) != len(self.ranks) or transport.rank not in self.ranks:
+            raise ValueError(f"group ranks {self.ranks} must be distinct and include this endpoint's rank "
+                             f"{transport.rank}")
+        self.rank = self.ranks.index(transport.rank)
+        self.size = len(self.ranks)
+        self.timeout = timeout
+        self.stale_dropped = 0
+        self._seq = 0
+
+    def restart(self, epoch: int) -> None:
+        """Number the next collectives from ``epoch`` on (every member at the same point, e.g. at
+        the start of each sync; ``epoch`` grows): envelopes of earlier epochs count as stale, so
+        members that fell out of step in a failed sync meet again."""
+        self._seq = int(epoch) << 32
+
+    def _take(self, src: int, seq: int) -> bytes:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                env = self.transport.recv(src=src, timeout=max(0.0, deadline - time.monotonic()))
+            except TransportTimeout as exc:
+                raise TransportTimeout(f"trainer group rank {self.rank}: no contribution to collective {seq} "
+                                       f"from transport rank {src} within {self.timeout}s") from exc
+            if env.kind == MessageKind.ROUTE and env.version == seq:
+                return env.body
+            if env.kind == MessageKind.ROUTE and env.version < seq:
+                self.stale_dropped += 1
+                continue
+            raise TransportError(f"trainer group rank {self.rank}: expected collective {seq} from transport "
+                                 f"rank {src}, got {env.kind.name} {env.version}")
+
+    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
+        if len(outgoing) != self.size:
+            raise ValueError(f"exchange needs one buffer per member ({self.size}), got {len(outgoing)}")
+        self._seq += 1
+        me = self.transport.rank
+        for r, dst in enumerate(self.ranks):
+            if r != self.rank:
+                self.transport.send(dst, Envelope(MessageKind.ROUTE, self._seq, me, body=bytes(outgoing[r])))
+        self.transport.flush()
+        return [bytes(outgoing[r]) if r == self.rank else self._take(src, self._seq)
+                for r, src in enumerate(self.ranks)]
+
+    def _gather(self, value: Any) -> list[Any]:
+        """Every member's JSON-able ``value``, in group order."""
+        blob = json.dumps(value).encode()
+        return [json.loads(b) for b in self.exchange([blob] * self.size)]
+
+    def _columns(self, values: Sequence) -> list[list]:
+        rows = self._gather(list(values))
+        if any(len(r) != len(values) for r in rows):
+            raise ValueError(f"trainer group members passed {sorted({len(r) for r in rows})} values; "
+                             "every member must pass the same number")
+        return [list(c) for c in zip(*rows)] if values else []
+
+    def sum_u64(self, values: Mapping[str, int], names: Sequence[str]) -> dict[str, int]:
+        cols = self._columns([values.get(n, 0) & MASK64 for n in names])
+        return {n: sum(c) & MASK64 for n, c in zip(names, cols)}
+
+    def all_true(self, flag: bool) -> bool:
+        return all(self._gather(bool(flag)))
+
+    def sum_ints(self, values: Sequence[int]) -> list[int]:
+        return [sum(int(v) for v in c) for c in self._columns([int(v) for v in values])]
+
+    def max_floats(self, values: Sequence[float]) -> list[float]:
+        return [max(float(v) for v in c) for c in self._columns([float(v) for v in values])]

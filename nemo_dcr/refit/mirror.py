@@ -65,15 +65,21 @@ class SenderMirror:
         self._staged = (version, list(deltas))
         return self._staged[1]
 
+    def current_bits(self, name: str) -> np.ndarray:
+        """Trainer-side flat bits of ``name`` (mirror plus staged changes; a copy only if staged)."""
+        for d in (self._staged[1] if self._staged else []):
+            if d.name == name:
+                bits = self.bits[name].copy()
+                bits[d.positions] = d.new_bits
+                return bits
+        return self.bits[name]
+
     def current(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Trainer-side bits (mirror plus staged changes) of ``names`` as tensors."""
-        staged = {d.name: d for d in (self._staged[1] if self._staged else [])}
+        """Trainer-side bits (mirror plus staged changes) of ``names`` as tensors (copies)."""
         out = {}
         for n in names:
-            bits = self.bits[n].copy()
-            if n in staged:
-                bits[staged[n].positions] = staged[n].new_bits
-            out[n] = _as_tensor(bits, *self.meta[n])
+            bits = self.current_bits(n)
+            out[n] = _as_tensor(bits.copy() if bits is self.bits[n] else bits, *self.meta[n])
         return out
 
     def current_checksums(self) -> dict[str, int]:

@@ -13,9 +13,10 @@ through the same protocol (a delta at 100% density).
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping, Sequence
 
 from nemo_dcr.apply.placement import RankPlacement
@@ -25,7 +26,7 @@ from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import MASK64
-from nemo_dcr.verify.report import VerifyReport, compare
+from nemo_dcr.verify.report import ChecksumMismatch, VerifyReport, compare
 
 from .fanout import Fanout
 from .formats import Fp8Mirror
@@ -112,6 +113,9 @@ class RefitSender:
         if routes is not None and {e for e, _ in routes} != set(self.engine_ranks):
             raise ValueError(f"routes for engine ranks {sorted({e for e, _ in routes})}, "
                              f"engine ranks {list(self.engine_ranks)}")
+        if routes is not None and isinstance(self.mirror, Fp8Mirror):
+            raise ValueError("FP8 engine weights need engine ranks holding whole tensors; an engine that "
+                             "reports placements (routed views, e.g. vLLM) takes bf16 weights only")
         self.routes = routes
         self._fanout = None if routes is None else Fanout(routes, self.mirror)
 
@@ -190,14 +194,42 @@ class RefitSender:
         self.transport.flush()
         return self._await(code, (MessageKind.STATE,))
 
-    def _verify(self, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool) -> VerifyReport:
+    def _verify(self, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool,
+                current: bool = False) -> VerifyReport:
+        """Trainer totals against the engines' (summed) checksums; with routes also every engine
+        rank's own views against the mirror (``current``: against the trainer's state, mirror
+        plus staged changes), so a replica the sums count once (TP-replicated norms, a second
+        DP engine) cannot diverge unseen.  Collective; every rank gets the same report."""
         engine: dict[str, int] = {}
         for r in replies:  # routed: canonical partial sums of each rank; else every rank's full values
             for n, c in r.checksums.items():
                 engine[n] = (engine.get(n, 0) + c) & MASK64 if self._fanout is not None else c
         names = self.mirror.engine_names(sorted(self.owners))  # the engine's tensors, in one order on every rank
         totals = self.group.sum_u64(self.mirror.trainer_side(trainer), names)
-        return compare(totals, engine, max(r.version for r in replies), full)
+        report = compare(totals, engine, max(r.version for r in replies), full)
+        if self._fanout is None:
+            return report
+        local, compared = self._fanout.view_mismatches(self.owned, self._reported_views(replies),
+                                                       self.mirror.current_bits if current else None)
+        local = [(n, e, shard, want, got) for n, (e, shard), want, got in local]
+        seen = [json.loads(b) for b in self.group.exchange([json.dumps([compared, local]).encode()] * self.group.size)]
+        rows = sorted({tuple(m) for _, ms in seen for m in ms}, key=lambda m: (m[0], m[1], m[2]))
+        extra = tuple(ChecksumMismatch(n, want, got, where=f"engine rank {e}" + (f" shard {sh}" if sh else ""))
+                      for n, e, sh, want, got in rows)
+        return replace(report, checked=report.checked + sum(c for c, _ in seen),
+                       mismatches=report.mismatches + extra)
+
+    def _reported_views(self, replies: Sequence[EngineReply]) -> dict[tuple[int, int], dict[str, int] | None]:
+        """Route key -> the view checksums its engine reported (None: no answer).  Engine ranks that
+        answered without view checksums, or serve several shards, are checked by the sums only."""
+        out: dict[tuple[int, int], dict[str, int] | None] = {}
+        for e, r in zip(self.engine_ranks, replies):
+            keys = [k for k in self.routes if k[0] == e]
+            if not r.ok:
+                out.update({k: None for k in keys})
+            elif r.views and keys == [(e, 0)]:
+                out[(e, 0)] = r.views
+        return out
 
     # -- the three entry points -------------------------------------------------------------
 
@@ -300,7 +332,7 @@ class RefitSender:
                  mode: str = "delta") -> RefitReport:
         with clock("verify"):
             state = self.query()
-            before = self._verify(trainer_checksums, state, full=True)
+            before = self._verify(trainer_checksums, state, full=True, current=True)
         engine_version = max(r.version for r in state)
         if before.ok and engine_version >= 0:
             self._reset(self.owned, engine_version)

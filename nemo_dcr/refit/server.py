@@ -99,7 +99,12 @@ class EngineServer:
                                f"canonical tensors to digest: ask for checksums instead")
         ck = self.engine.checksums(full=query >= QUERY_FULL)
         dg = digests(self.engine.tensors) if query == QUERY_DIGESTS else {}
-        return EngineReply(True, self.engine.version, checksums=ck, digests=dg)
+        return EngineReply(True, self.engine.version, checksums=ck, digests=dg, views=self._views())
+
+    def _views(self) -> dict[str, int]:
+        """Per-view checksums of an engine holding shards (after ``checksums``: a full query rescans)."""
+        views = getattr(self.engine, "view_checksums", None)
+        return views() if views else {}
 
     def _collect(self, env: Envelope) -> None:
         if env.version <= self.engine.version:
@@ -134,7 +139,8 @@ class EngineServer:
         self.stats.committed += 1
         self.stats.resyncs += int(result.resync)
         self.stats.note(version, "committed", "resync" if result.resync else "delta")
-        reply = EngineReply(True, self.engine.version, checksums=self.engine.checksums(), touched=result.touched)
+        reply = EngineReply(True, self.engine.version, checksums=self.engine.checksums(), touched=result.touched,
+                            views=self._views())
         self._reply(MessageKind.ACK, version, self.senders, reply)
         for key in [k for k in self._parts if k[1] <= self.engine.version]:
             del self._parts[key]

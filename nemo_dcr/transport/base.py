@@ -35,6 +35,9 @@ class MessageKind(IntEnum):
     """Shut the engine loop down."""
     DENSE = 9
     """Whole tensors' raw bytes without the codec: the dense baseline ``benchmarks/refit.py`` measures."""
+    END = 10
+    """Trainer to engine: this sync (every refit and resync of it) is over; ``version`` is the version
+    the engines hold afterwards, the body a JSON outcome (the NeMo-RL plugin's receivers stop on it)."""
 
 
 class TransportError(RuntimeError):

@@ -25,12 +25,15 @@ class ChecksumMismatch:
     name: str
     trainer: int | None
     engine: int | None
+    where: str = ""
+    """Which engine rank, when one rank's copy was compared (empty: the sum over ranks)."""
 
     def __str__(self) -> str:
         def fmt(x):
             return "missing" if x is None else f"{x:016x}"
 
-        return f"{self.name}: trainer {fmt(self.trainer)}, engine {fmt(self.engine)}"
+        at = f" ({self.where})" if self.where else ""
+        return f"{self.name}{at}: trainer {fmt(self.trainer)}, engine {fmt(self.engine)}"
 
 
 @dataclass(frozen=True)

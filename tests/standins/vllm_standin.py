@@ -14,7 +14,8 @@ It mimics what :mod:`nemo_dcr.apply.placement` relies on, so the probing logic i
   [E_local, H, I/tp], loader ``(param, w, weight_name, shard_id=, expert_id=, return_success=)``
   with shard ids ``w1``/``w3``/``w2`` and EP by contiguous expert ranges;
 * ``StandinModel.load_weights`` routes HF names with a ``stacked_params_mapping`` and an expert
-  mapping like vLLM's model files, and returns the names it loaded.
+  mapping like vLLM's model files, skips ``rotary_emb.inv_freq`` as vLLM's Llama does, and returns
+  the names it loaded.
 """
 
 from __future__ import annotations
@@ -188,6 +189,8 @@ class StandinModel(nn.Module):
         params = {"model." + n: p for n, p in self.named_parameters()}
         loaded = set()
         for name, w in weights:
+            if "rotary_emb.inv_freq" in name:  # computed by the model, not loaded (vLLM skips it)
+                continue
             for param_name, weight_name, shard_id in self.stacked_params_mapping:
                 if weight_name in name and "experts" not in name:
                     p = params[name.replace(weight_name, param_name)]

@@ -34,7 +34,8 @@ LAYERS = {
     "checkpoint_rewrite": 5,
     "apply": 5, "quant": 5,
     "refit": 6,
-    "integrations.megatron": 7, "integrations.hf": 7, "integrations.vllm": 7, "integrations.nemo_rl": 7,
+    "integrations.megatron": 7, "integrations.hf": 7, "integrations.vllm": 7,
+    "integrations.nemo_rl": 7.5,  # runs inside NeMo-RL's vLLM workers: uses the vLLM integration's loader helpers
     "integrations": 7,
     "adapters": 8, "demo": 8, "chaos": 8, "plan": 8,
     "commands": 9,

@@ -115,17 +115,19 @@ def test_defaults_and_yaml_round_trip(tmp_path):
     assert load_config(path).run.steps == 2
 
 
-def test_nemo_rl_recipe_snippet_turns_dcr_on():
+def test_nemo_rl_recipe_snippet_turns_dcr_on(tmp_path):
     from omegaconf import OmegaConf
 
     node = OmegaConf.load(ROOT / "configs" / "nemo_rl" / "grpo_math_1B_megatron_dcr.yaml")
     gen = node.policy.generation
-    assert gen.refit_transport == "nemo_dcr.adapters.nemo_rl:DcrCheckpointEngine"
-    scoped = gen.refit_cfg[gen.refit_transport]
+    assert gen.refit_transport == "nemo_dcr.adapters.nemo_rl:DcrCheckpointEngine" and not gen.colocated.enabled
+    scoped = OmegaConf.to_container(gen.refit_cfg[gen.refit_transport])  # ${oc.env:...} left unresolved
     from nemo_dcr.adapters.nemo_rl import DcrCheckpointEngine
 
     kwargs = {k: v for k, v in scoped.items() if k != "update_weights_bucket_memory_ratio"}
-    kwargs["key_file"] = None  # the shared key does not exist on this machine
+    assert {"url", "key_file"} <= set(kwargs)
+    (tmp_path / "key").write_bytes(b"k" * 32)  # the shared folder and key do not exist on this machine
+    kwargs.update(url=str(tmp_path / "refit"), key_file=str(tmp_path / "key"))
     DcrCheckpointEngine(bucket_size=1 << 20, **kwargs)  # every key is accepted
 
 

@@ -1,149 +1,240 @@
-"""Contract test of the NeMo-RL plugin against NeMo-RL 0.6.0's seams (commit 7ea279ab).
+"""The NeMo-RL plugin driven the way NeMo-RL's own driver drives it (stand-in: tests/standins/nemo_rl_standin.py).
 
-NeMo-RL cannot be installed here, so :class:`NemoRlStandInCaller` replays what its code does
-with a checkpoint engine, step by step (``create_checkpoint_engine`` resolving "module:Class"
-and calling ``cls(bucket_size=..., **engine_kwargs)``; ``prepare`` on every worker;
-``init_policy_process_group`` / ``init_rollout_process_group`` with keyword arguments;
-``send_weights`` awaited on every policy worker; ``receive_weight_batches`` iterated with
-``async for`` by each rollout worker, batches handed to ``load_weights``; ``finalize``).
-The ``engine_kwargs`` are what ``checkpoint_engine_refit_config`` derives from
-``refit_cfg[<selector>]``: everything except ``update_weights_bucket_memory_ratio``.
+Policy ``send_weights`` and every vLLM worker's ``receive_weight_batches`` run at the same time,
+as NeMo-RL's ``sync_weights`` submits them in one ``ray.get``; vLLM runs at TP=2 (and DP=2) on the
+loader-contract model stand-in, starting from dummy weights.  After every sync every vLLM worker's
+parameters are compared, as integer views, with an independent reference: a fresh stand-in model
+that loaded the policy's tensors through its own ``load_weights`` (what NeMo-RL's dense refit
+would have produced), never with the refit's own mirror or checksums.
 """
 
 from __future__ import annotations
 
-import asyncio
-import importlib
+import json
 
 import pytest
 import torch
 
-from nemo_dcr.adapters.nemo_rl import SELECTOR, DcrCheckpointEngine, DcrWeightSynchronizer
+from nemo_dcr.adapters.nemo_rl import SELECTOR, DcrCheckpointEngine
+from nemo_dcr.transport import MessageKind
+from nemo_dcr.transport.store import StoreTransport
 from nemo_dcr.types import int_view
+from tests.standins.nemo_rl_standin import (SKIPPED, PolicyWorker, Synchronizer, busy, initial_state, train_step,
+                                            vllm_engines)
+from tests.standins.vllm_standin import StandinDims, StandinModel
+
+D = StandinDims(hidden=32, heads=4, kv_heads=1, head_dim=8, ffn=64, vocab=100, pad_to=64, experts=4, moe_ffn=32)
+TP, POLICY = 2, 2
 
 
-class NemoRlStandInCaller:
-    """Stand-in for NeMo-RL's CheckpointEngineWeightSynchronizer + worker mixins (no Ray)."""
-
-    def __init__(self, selector: str, refit_cfg: dict, n_policy: int = 2, n_rollout: int = 2):
-        kwargs = {k: v for k, v in refit_cfg.items() if k != "update_weights_bucket_memory_ratio"}
-        module, cls = selector.split(":", 1)
-        engine_cls = getattr(importlib.import_module(module), cls)
-        self.policy = [engine_cls(bucket_size=1 << 20, **kwargs) for _ in range(n_policy)]
-        self.rollout = [engine_cls(bucket_size=1 << 20, **kwargs) for _ in range(n_rollout)]
-        meta = [e.prepare() for e in self.policy + self.rollout]
-        for r, e in enumerate(self.policy):
-            e.init_policy_process_group(worker_rank=r, train_world_size=n_policy,
-                                        rollout_world_size=n_rollout, metadata=meta)
-        for r, e in enumerate(self.rollout):
-            e.init_rollout_process_group(rollout_rank=r, train_world_size=n_policy,
-                                         rollout_world_size=n_rollout, metadata=meta)
-
-    def refit(self, policy_state: dict, engines_state: list[dict]) -> list[int]:
-        async def run():
-            for e in self.policy:  # every policy worker iterates the (collective) export
-                await e.send_weights(iter(policy_state.items()))
-            loaded = []
-            for e, state in zip(self.rollout, engines_state):
-                n = 0
-                async for batch in e.receive_weight_batches():
-                    for name, t in batch:  # vLLM's load_weights
-                        state[name].copy_(t)
-                        n += 1
-                loaded.append(n)
-            return loaded
-        out = asyncio.run(run())
-        for e in self.policy + self.rollout:
-            e.finalize()
-        return out
+@pytest.fixture
+def refit_cfg(tmp_path) -> dict:
+    key = tmp_path / "hmac.key"
+    key.write_bytes(b"nemo-rl-contract-test-key-0123456789")
+    return {"update_weights_bucket_memory_ratio": 0.05, "url": str(tmp_path / "refit"), "key_file": str(key),
+            "timeout_s": 60, "full_verify_interval": 3}
 
 
-def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"model.embed_tokens.weight": torch.randn(64, 16, generator=g).bfloat16(),
-            "model.layers.0.mlp.up_proj.weight": torch.randn(32, 16, generator=g).bfloat16(),
-            "model.norm.weight": torch.ones(16).bfloat16()}
+def mismatches(state: dict, engines) -> list[str]:
+    """Params of each vLLM worker whose bits differ from a fresh model loaded with ``state``."""
+    out = []
+    for d, engine in enumerate(engines):
+        for w in engine:
+            ref = StandinModel(D, TP, w.rank)
+            ref.load_weights(state.items())
+            live = dict(w.model_runner.model.named_parameters())
+            out += [f"dp{d}/tp{w.rank}:{n}" for n, p in ref.named_parameters()
+                    if not torch.equal(int_view(p.data), int_view(live[n].data))]
+    return out
 
 
-def _step(state: dict, frac: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name, t in state.items():
-        if "norm" in name:
-            continue
-        mask = torch.rand(t.shape, generator=g) < frac
-        t[mask] = (t.float()[mask] * 1.01).bfloat16()
+def versions(engines) -> list[int]:
+    return [w.checkpoint_engine.rollout.last["version"] for e in engines for w in e]
 
 
-def _same(a: dict, b: dict) -> bool:
-    return set(a) == set(b) and all(torch.equal(int_view(a[k]), int_view(b[k])) for k in a)
+def policy_workers(state, delay=0.0):
+    return [PolicyWorker(r, state, delay) for r in range(POLICY)]
 
 
-def test_checkpoint_engine_lifecycle_is_bit_exact(tmp_path):
-    key = tmp_path / "key"
-    key.write_bytes(b"0123456789abcdef0123")
-    cfg = {"update_weights_bucket_memory_ratio": 0.05, "release_after_refit": False,
-           "url": str(tmp_path / "refit"), "encoding": "dcr", "key_file": str(key)}
-    caller = NemoRlStandInCaller(SELECTOR, cfg)
-    policy = _state(0)
-    engines = [{k: torch.zeros_like(v) for k, v in policy.items()} for _ in range(2)]
-    assert caller.refit(policy, engines) == [3, 3]  # first refit: full resync, every tensor
-    assert all(_same(policy, e) for e in engines)
-    for step in range(1, 4):
-        _step(policy, 0.02, step)
-        loaded = caller.refit(policy, engines)
-        assert all(_same(policy, e) for e in engines), step
-        assert loaded == [2, 2]  # the norm did not change: not reloaded
-        stats = caller.policy[0].last_stats
-        assert not stats["resync"] and stats["payload_bytes"] < stats["dense_bytes"] / 5
+def step_all(state, policy, step) -> None:
+    train_step(state, step)
+    for p in policy:
+        train_step(p.state, step)
 
 
-def test_refit_cfg_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match="unknown refit_cfg keys.*'bogus'"):
-        DcrCheckpointEngine(1024, url=str(tmp_path), bogus=1)
-    with pytest.raises(ValueError, match="encoding"):
-        DcrCheckpointEngine(1024, url=str(tmp_path), encoding="zip")
-    with pytest.raises(ValueError, match="url"):
-        DcrCheckpointEngine(1024)
-
-
-def test_tampered_payload_is_refused(tmp_path):
-    key = tmp_path / "key"
-    key.write_bytes(b"0123456789abcdef0123")
-    cfg = {"url": str(tmp_path / "r"), "key_file": str(key)}
-    caller = NemoRlStandInCaller(SELECTOR, cfg, 1, 1)
-    policy = _state(1)
-    engine = {k: torch.zeros_like(v) for k, v in policy.items()}
-    caller.refit(policy, [engine])
-    _step(policy, 0.05, 9)
-    asyncio.run(caller.policy[0].send_weights(iter(policy.items())))
-    path = sorted((tmp_path / "r").glob("*.dcr"))[-1]
-    data = bytearray(path.read_bytes())
-    data[-40] ^= 1
-    path.write_bytes(bytes(data))
-
-    async def drain():
-        return [b async for b in caller.rollout[0].receive_weight_batches()]
-    with pytest.raises(Exception, match="MAC|crc|checksum"):
-        asyncio.run(drain())
-    assert caller.rollout[0].version == 1  # still the old version
-
-
-def test_weight_synchronizer_interface(tmp_path):
-    policy = _state(2)
-    engine = {k: torch.zeros_like(v) for k, v in policy.items()}
-
-    def load(batch):
-        for n, t in batch:
-            engine[n].copy_(t)
-    sync = DcrWeightSynchronizer(lambda: iter(policy.items()), load, {"url": str(tmp_path)})
-    assert sync.is_stale
+@pytest.mark.parametrize("export_delay,busy_max,dp", [(0.0, 0.0, 1), (0.01, 0.0, 1), (0.0, 0.3, 1), (0.0, 0.1, 2)],
+                         ids=["fast-export", "slow-export", "busy-engines", "dp2"])
+def test_concurrent_syncs_are_bit_exact_after_every_step(refit_cfg, tmp_path, export_delay, busy_max, dp):
+    state = initial_state(D)
+    policy = policy_workers(state, export_delay)
+    engines = vllm_engines(D, dp, TP)
+    for i, w in enumerate(w for e in engines for w in e):
+        w.busy_s = busy(i, busy_max)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
     sync.init_communicator()
-    m = sync.sync_weights(timer=None, kv_scales=None)
-    assert not sync.is_stale and _same(policy, engine) and m["dcr/version"] == 1.0
-    _step(policy, 0.01, 3)
-    sync.mark_stale()
-    m = sync.sync_weights(timer=None, kv_scales=None)
-    assert _same(policy, engine) and 0 < m["dcr/density"] < 0.05
-    with pytest.raises(NotImplementedError):
-        sync.sync_weights(kv_scales={"k": 1.0})
-    sync.shutdown()
+    assert mismatches(state, engines)  # dummy weights
+    seen = []
+    for step in range(4):
+        if step:
+            step_all(state, policy, step)
+        sync.sync_weights()
+        assert not sync.is_stale and mismatches(state, engines) == [], step
+        r = policy[0].checkpoint_engine.policy.last
+        assert r.committed and r.verified and versions(engines) == [r.version] * (dp * TP)
+        if step == 0:  # vLLM starts from dummy weights: the first sync sends everything
+            assert r.mode == "attach" and r.resynced
+        else:
+            assert r.mode == "delta" and not r.resynced and r.payload_bytes < r.dense_bytes / 3, r
+        seen.append(r.version)
+    assert seen == sorted(set(seen))
+    assert all(w.loaded_tensors == 0 for e in engines for w in e)  # nothing went through load_weights
+    lines = (tmp_path / "refit" / "telemetry.jsonl").read_text().splitlines()
+    assert [json.loads(x)["version"] for x in lines] == seen
+    session = tmp_path / "refit" / f"session-{policy[0].checkpoint_engine.policy.topo.session}"
+    assert sorted(p.name for p in session.iterdir()) == ["sync-000003", "sync-000004"]  # older syncs removed
+    assert not list((tmp_path / "refit").rglob("*.env"))  # every message was consumed and deleted
+
+
+def test_each_policy_worker_keeps_only_its_owned_tensors(refit_cfg):
+    state = initial_state(D)
+    policy, engines = policy_workers(state), vllm_engines(D, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    sync.sync_weights()
+    held = [set(p.checkpoint_engine.policy.held) for p in policy]
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(state) - {SKIPPED} and all(held)
+    assert policy[0].checkpoint_engine.policy.topo.unloaded == {SKIPPED}  # vLLM skips it: so does the refit
+    for p in policy:
+        for n, t in p.checkpoint_engine.policy.held.items():
+            assert torch.equal(int_view(t), int_view(state[n]))
+    for w in engines[0]:  # the rollout engine writes into the live params: no copy of the model
+        live = {p.data_ptr() for p in w.model_runner.model.parameters()}
+        assert {t.data_ptr() for t in w.checkpoint_engine._engine.params.values()} <= live
+
+
+def test_release_after_refit_keeps_the_session(refit_cfg):
+    state = initial_state(D)
+    policy, engines = policy_workers(state), vllm_engines(D, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, {**refit_cfg, "release_after_refit": True})
+    modes = []
+    for step in range(3):  # NeMo-RL finalizes every engine after each sync and re-initialises them
+        if step:
+            step_all(state, policy, step)
+        sync.sync_weights()
+        assert not sync._ready and mismatches(state, engines) == []
+        modes.append(policy[0].checkpoint_engine.policy.last.mode)
+    assert modes == ["attach", "delta", "delta"]  # the same engine objects: the same session
+
+
+def test_policy_restart_mid_run(refit_cfg):
+    state = initial_state(D)
+    engines = vllm_engines(D, 1, TP)
+    sync = Synchronizer(policy_workers(state), engines, SELECTOR, refit_cfg)
+    for step in range(2):
+        if step:
+            step_all(state, sync.policy, step)
+        sync.sync_weights()
+    before = versions(engines)[0]
+    train_step(state, 2)  # trained, checkpointed, then the policy workers died
+    policy = policy_workers(state)  # restarted from that checkpoint: new engine objects
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    sync.init_communicator()
+    sync.sync_weights()
+    r = policy[0].checkpoint_engine.policy.last
+    assert r.mode == "attach" and r.committed and mismatches(state, engines) == []
+    assert r.version > before and versions(engines) == [r.version] * TP  # versions come from the engines
+    step_all(state, policy, 3)
+    sync.sync_weights()
+    assert policy[0].checkpoint_engine.policy.last.mode == "delta" and mismatches(state, engines) == []
+
+
+def test_rollout_restart(refit_cfg, tmp_path):
+    state = initial_state(D)
+    policy = policy_workers(state)
+    sync = Synchronizer(policy, vllm_engines(D, 1, TP), SELECTOR, refit_cfg)
+    for step in range(2):
+        if step:
+            step_all(state, policy, step)
+        sync.sync_weights()
+    engines = vllm_engines(D, 1, TP, seed=7)  # new vLLM workers, dummy weights again
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    sync.init_communicator()
+    step_all(state, policy, 2)
+    sync.sync_weights()
+    r = policy[0].checkpoint_engine.policy.last
+    assert r.mode == "attach" and r.resynced and mismatches(state, engines) == []
+    sessions = sorted(p.name for p in (tmp_path / "refit").glob("session-*"))
+    assert sessions == [f"session-{policy[0].checkpoint_engine.policy.topo.session}"]  # the old one is gone
+
+
+def test_dropped_payload_part_is_recovered(refit_cfg, monkeypatch):
+    state = initial_state(D)
+    policy, engines = policy_workers(state), vllm_engines(D, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    sync.sync_weights()
+    dropped, send = [], StoreTransport.send
+
+    def lossy(self, dst, env):
+        if env.kind == MessageKind.DELTA and dst == POLICY + 1 and env.body and not dropped:
+            dropped.append((self.rank, env.part))  # lost on the way to vLLM worker tp1
+            return
+        send(self, dst, env)
+
+    monkeypatch.setattr(StoreTransport, "send", lossy)
+    step_all(state, policy, 1)
+    sync.sync_weights()
+    r = policy[0].checkpoint_engine.policy.last
+    assert dropped and r.committed and r.resynced and any("MissingPartError" in d for d in r.detected), r
+    assert engines[0][1].checkpoint_engine.rollout.last["refused"] == {"MissingPartError": 1}
+    assert mismatches(state, engines) == []  # replicated norms of tp1 included
+    step_all(state, policy, 2)
+    sync.sync_weights()
+    assert policy[0].checkpoint_engine.policy.last.mode == "delta" and mismatches(state, engines) == []
+
+
+def test_a_failed_sync_fails_on_both_sides_and_the_next_one_recovers(refit_cfg):
+    state = initial_state(D)
+    policy, engines = policy_workers(state), vllm_engines(D, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    sync.sync_weights()
+    step_all(state, policy, 1)
+    for p in policy:
+        p.state["model.norm.weight"] = p.state["model.norm.weight"][:4].clone()  # a broken export
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        sync.sync_weights()
+    assert sync.is_stale
+    for p in policy:
+        p.state["model.norm.weight"] = state["model.norm.weight"].clone()
+    sync.sync_weights()
+    assert mismatches(state, engines) == []
+
+
+def test_rollout_waits_with_a_bounded_clear_timeout(refit_cfg):
+    cfg = {**refit_cfg, "timeout_s": 0.5}
+    sync = Synchronizer(policy_workers(initial_state(D)), vllm_engines(D, 1, TP), SELECTOR, cfg)
+    sync.init_communicator()
+    with pytest.raises(TimeoutError, match=r"rollout rank 0: nothing from the policy workers for 0\.5s in sync 1"):
+        sync.rollout[0].update_weights_from_checkpoint_engine()
+
+
+def test_refit_cfg_errors_name_the_key(refit_cfg):
+    kw = {k: v for k, v in refit_cfg.items() if k != "update_weights_bucket_memory_ratio"}
+    with pytest.raises(ValueError, match=r"unknown refit_cfg keys.*'bogus'"):
+        DcrCheckpointEngine(1 << 20, **kw, bogus=1)
+    with pytest.raises(ValueError, match=r"encoding"):
+        DcrCheckpointEngine(1 << 20, **{**kw, "encoding": "zip"})
+    with pytest.raises(ValueError, match=r"key_file is required"):
+        DcrCheckpointEngine(1 << 20, url=kw["url"])
+    with pytest.raises(ValueError, match=r"holds 3 bytes"):
+        bad = refit_cfg["key_file"] + ".short"
+        open(bad, "wb").write(b"abc")
+        DcrCheckpointEngine(1 << 20, **{**kw, "key_file": bad})
+
+
+def test_key_file_is_read_by_the_one_rule(refit_cfg, tmp_path):
+    """The plugin's key is the key file's raw bytes (surrounding whitespace and a trailing newline
+    included), as for every other entry point (``codec.auth.read_key_file``)."""
+    kw = {k: v for k, v in refit_cfg.items() if k != "update_weights_bucket_memory_ratio"}
+    raw = b" 0123456789abcdef0123\n"
+    path = tmp_path / "ws.key"
+    path.write_bytes(raw)
+    assert DcrCheckpointEngine(1 << 20, **{**kw, "key_file": str(path)}).key == raw

@@ -1,5 +1,6 @@
-"""NeMo-RL integration: the checkpoint-engine plugin (see docs/nemo_rl.md)."""
+"""NeMo-RL integration: the checkpoint-engine plugin on the one refit path (see docs/nemo_rl.md)."""
 
-from .plugin import SELECTOR, DcrCheckpointEngine, DcrWeightSynchronizer
+from .options import SELECTOR, PluginOptions
+from .plugin import DcrCheckpointEngine
 
-__all__ = ["SELECTOR", "DcrCheckpointEngine", "DcrWeightSynchronizer"]
+__all__ = ["SELECTOR", "DcrCheckpointEngine", "PluginOptions"]

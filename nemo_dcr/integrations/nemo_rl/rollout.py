@@ -1,0 +1,221 @@
+"""Rollout side of the NeMo-RL plugin: a vLLM worker's live parameters as one refit engine rank.
+
+NeMo-RL builds the checkpoint engine inside every vLLM worker process (every TP/PP rank of every
+vLLM engine) and stores it as the worker's ``checkpoint_engine`` attribute; the engine gets no
+reference to the worker.  It finds the worker through the garbage collector's referrers
+(:func:`find_owner`), reads the canonical table NeMo-RL handed the worker before
+(``state_dict_info`` = ``{hf_name: (shape, dtype)}`` from ``prepare_refit_info``) and probes where
+each canonical element lives in ``model_runner.model`` with vLLM's own weight loaders
+(:func:`probe_worker`; :mod:`nemo_dcr.apply.placement`).
+
+:class:`InPlaceEngine` applies each version transactionally into the live params (a
+:class:`~nemo_dcr.apply.routed.RoutedEngine`: undo log, verified checksums); no copy of the model
+is kept.  After a resync it writes the constants vLLM's loaders leave in a param (vocab padding
+rows), so a first sync into vLLM's dummy weights ends bit-identical to loading the policy's
+tensors with ``load_weights``.  :class:`RolloutSide` serves the refit protocol for one sync
+(:meth:`RolloutSide.receive`) until the policy's end-of-sync message.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from nemo_dcr.apply import ApplyResult, UndoLog
+from nemo_dcr.apply.placement import (PlacementError, TensorPlacement, assign_primary, check_coverage, probe_model,
+                                      record_loader_calls)
+from nemo_dcr.apply.routed import RoutedEngine
+from nemo_dcr.refit.server import EngineServer
+from nemo_dcr.transport import MessageKind, TransportError
+from nemo_dcr.transport.base import TransportTimeout
+from nemo_dcr.types import int_view, spec_of
+
+from .session import SyncTransport, Topology
+
+
+def find_owner(obj: Any, attr: str = "checkpoint_engine") -> Any | None:
+    """The object whose attribute ``attr`` is ``obj`` (NeMo-RL's ``worker.checkpoint_engine``).
+
+    On Python 3.11+ an instance keeps its attributes inline, so the referrer is the owner itself;
+    otherwise it is the owner's ``__dict__``, whose own referrer is the owner.
+    """
+    for ref in gc.get_referrers(obj):
+        d = ref if isinstance(ref, dict) else getattr(ref, "__dict__", None)
+        if not isinstance(d, dict) or d.get(attr) is not obj:
+            continue
+        if d is not ref:
+            return ref
+        for owner in gc.get_referrers(ref):
+            if getattr(owner, "__dict__", None) is ref:
+                return owner
+    return None
+
+
+def canonical_table(state_dict_info: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """NeMo-RL's ``{name: (shape, dtype)}`` as ``{name: (wire dtype name, shape)}``."""
+    return {n: (spec_of(dtype).name, tuple(int(s) for s in shape)) for n, (shape, dtype) in state_dict_info.items()}
+
+
+def probe_worker(worker: Any) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]], dict]:
+    """Placement of every canonical tensor on this vLLM worker, from vLLM's own loaders.
+
+    Returns:
+        ``(placement, table, fills)``: canonical name -> :class:`TensorPlacement` (no primary
+        yet), the canonical table, and the constants loaders write (``{param: [(pos, values)]}``).
+
+    Raises:
+        RuntimeError: the worker lacks what NeMo-RL gives it, or its model's ``load_weights`` made
+            no loader call at all (a model that does not follow vLLM's loader contract).
+    """
+    info = getattr(worker, "state_dict_info", None)
+    if not info:
+        raise RuntimeError("the vLLM worker has no state_dict_info: NeMo-RL's prepare_refit_info (called by "
+                           "init_communicator before the checkpoint engine is prepared) did not reach it")
+    from nemo_dcr.integrations.vllm.worker import get_loader, set_loader  # imports vllm's platform (if installed)
+
+    model = worker.model_runner.model
+    table = canonical_table(info)
+    shapes = {n: s for n, (_, s) in table.items()}
+    calls = record_loader_calls(model, shapes.items(), set_loader)
+    if not any(calls.values()):
+        raise RuntimeError(f"{type(model).__name__}.load_weights called no weight loader for any of {len(shapes)} "
+                           "tensors: the model does not follow vLLM's weight-loader contract")
+    fills: dict = {}
+    placement = probe_model(model, shapes, calls, get_loader, fills=fills, device="cpu")  # off vLLM's GPU
+    return placement, table, _outside_views(fills, placement)
+
+
+def _outside_views(fills: Mapping[str, list], placement: Mapping[str, TensorPlacement]) -> dict:
+    """Fill constants only at positions no canonical element lands on (a loader that clears a whole
+    fused param before writing its slot must not clear the other slots after a resync)."""
+    out = {}
+    for param, entries in fills.items():
+        held = [tp.runs.expand()[1] for tp in placement.values() if tp.param == param]
+        taken = np.concatenate(held) if held else np.zeros(0, np.int64)
+        kept = []
+        for pos, values in entries:
+            keep = ~np.isin(pos, taken)
+            if keep.any():
+                kept.append((pos[keep], values[keep]))
+        if kept:
+            out[param] = kept
+    return out
+
+
+class InPlaceEngine(RoutedEngine):
+    """The live params of one vLLM worker as a refit engine (see the module docstring).
+
+    Args:
+        params: vLLM param name -> live tensor.
+        placement: this rank's placement, primaries assigned over all rollout ranks.
+        fills: constants loaders write outside every view (see :func:`probe_worker`).
+        key: HMAC key of the payloads.
+        keep_index: keep ``dcr`` class indexes of the views (host memory, ~2.3 bytes per element).
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], placement: Mapping[str, TensorPlacement],
+                 fills: Mapping[str, list], key: bytes | None, keep_index: bool = True):
+        super().__init__(params, placement, 0, key, keep_index)
+        self.fills = dict(fills)
+
+    def resync(self, parts: Sequence[bytes]) -> ApplyResult:
+        """A resync, then the loaders' constants in the resynced params, as one transaction."""
+        result = self.prepare(parts, resync=True)
+        undo = UndoLog()
+        try:
+            for param in sorted({self.placement[n].param for n in result.touched} & set(self.fills)):
+                flat = int_view(self.params[param])
+                for pos, values in self.fills[param]:
+                    bits = int_view(torch.from_numpy(values).to(self.params[param].dtype).reshape(-1))
+                    undo.scatter(flat, torch.from_numpy(pos).to(flat.device), bits.to(flat.device))
+        except BaseException:
+            undo.rollback()
+            self.rollback()
+            raise
+        return self.commit()
+
+
+def build_engine(worker: Any, probe: tuple, topo: Topology, rollout_rank: int, key: bytes,
+                 keep_index: bool = True) -> InPlaceEngine:
+    """The in-place engine of rollout rank ``rollout_rank``: primaries assigned over every rollout
+    rank's placement (from NeMo-RL's metadata, the same on every rank), coverage checked.
+
+    Raises:
+        PlacementError: some canonical element is held by no rollout rank.
+    """
+    placements = assign_primary(topo.placements())
+    check_coverage(placements, {n: s for n, (_, s) in topo.table.items()})
+    mine = placements[rollout_rank]
+    own, _, fills = probe
+    if set(mine) != set(own):
+        raise PlacementError(f"rollout rank {rollout_rank}: NeMo-RL's metadata carries another rank's placement")
+    params = {n: p.data for n, p in worker.model_runner.model.named_parameters()}
+    return InPlaceEngine(params, mine, fills, key, keep_index)
+
+
+class RolloutSide:
+    """One vLLM worker in one session: serves each sync until the policy's end-of-sync message.
+
+    Args:
+        engine: this worker's :class:`InPlaceEngine` (kept across sessions).
+        topo: the session (from NeMo-RL's metadata).
+        rollout_rank: this worker's rollout rank (refit-group rank ``T + rollout_rank``).
+        key: HMAC key of the store transport.
+        timeout_s: longest wait for the next message of a sync.
+    """
+
+    def __init__(self, engine: InPlaceEngine, topo: Topology, rollout_rank: int, key: bytes, timeout_s: float):
+        self.engine, self.topo = engine, topo
+        self.rank = topo.train_world + rollout_rank
+        self.transport = SyncTransport(topo.folder, self.rank, key, topo.session)
+        self.timeout_s = timeout_s
+        self.syncs = 0
+        self.last: dict = {}
+
+    def receive(self) -> dict:
+        """Serve one sync (its refits, recovery resyncs, queries) until its END; returns what happened.
+
+        Raises:
+            TimeoutError: no message for ``timeout_s`` (names the version held and the folder).
+            RuntimeError: the policy side reported a failed sync, or a version this worker does not hold.
+        """
+        self.syncs += 1
+        sync = self.syncs
+        self.transport.begin(sync)
+        server = EngineServer(self.engine, self.transport, list(range(self.topo.train_world)))
+        start, bad_envelopes = self.engine.version, 0
+        while True:
+            env = self._next(sync, server)
+            if env is None:
+                bad_envelopes += 1
+                continue
+            if env.kind == MessageKind.END:
+                return self._end(sync, env, server, start, bad_envelopes)
+            server.handle(env)
+
+    def _next(self, sync: int, server: EngineServer):
+        try:
+            return self.transport.recv(timeout=self.timeout_s)
+        except TransportTimeout:
+            raise TimeoutError(f"nemo-dcr rollout rank {self.rank - self.topo.train_world}: nothing from the policy "
+                               f"workers for {self.timeout_s}s in sync {sync} (holding v{self.engine.version}; "
+                               f"events {server.stats.events[-3:]}); folder {self.transport.folder}") from None
+        except TransportError:  # a message that failed authentication: dropped like a lost one
+            return None
+
+    def _end(self, sync: int, env, server: EngineServer, start: int, bad: int) -> dict:
+        outcome = json.loads(env.body)
+        if not outcome.get("ok"):
+            raise RuntimeError(f"nemo-dcr sync {sync} failed on the policy side: {outcome.get('reason', '?')}")
+        if env.version != self.engine.version:
+            raise RuntimeError(f"nemo-dcr sync {sync}: the policy reports v{env.version}, this rollout worker "
+                               f"holds v{self.engine.version}")
+        s = server.stats
+        self.last = dict(sync=sync, version_before=start, version=self.engine.version, committed=s.committed,
+                         resyncs=s.resyncs, refused=dict(s.refused), bad_envelopes=bad, at=time.time())
+        return self.last

@@ -1,0 +1,220 @@
+"""Sessions of the NeMo-RL plugin: who takes part, where their messages live, what is cleaned up.
+
+NeMo-RL hands every checkpoint engine the list of all engines' ``prepare()`` results (policy
+workers by rank, then vLLM workers by rollout rank) in ``init_*_process_group``.  Each engine puts
+a random *nonce* there (made once per engine object); a **session** is the set of engine objects
+of one ``init_communicator``, named by a hash of all nonces, so every party derives the same name
+without talking, a restarted policy or rollout worker (a new engine object) starts a new session,
+and NeMo-RL re-initialising the same objects (``release_after_refit``) keeps it.  The rollout
+workers also publish the canonical table and their placements there (compressed JSON).
+
+Messages travel over the store transport (:class:`~nemo_dcr.transport.StoreTransport`, HMAC-keyed)
+in ``<url>/session-<id>/sync-<n>/``: a folder per sync (:class:`SyncTransport`), numbered by each
+side's count of ``send_weights`` / ``receive_weight_batches`` calls in the session (NeMo-RL calls
+both once per ``sync_weights``), so leftovers of a failed sync never meet the next one.  The store
+transport deletes what it consumed; each endpoint deletes its own inboxes of earlier syncs and
+policy rank 0 deletes earlier sync folders and other sessions (:func:`remove_stale`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from nemo_dcr.apply.placement import TensorPlacement, placement_from_json
+from nemo_dcr.transport import Envelope, StoreTransport
+
+TAG = "nemo_dcr"
+"""Key marking metadata produced by this plugin."""
+
+
+def new_nonce() -> str:
+    """A random identity for one engine object."""
+    return uuid.uuid4().hex
+
+
+def pack(obj: Any) -> bytes:
+    """Compressed JSON (placements are large and repetitive)."""
+    return zlib.compress(json.dumps(obj).encode(), 6)
+
+
+def unpack(blob: bytes) -> Any:
+    """Inverse of :func:`pack`."""
+    return json.loads(zlib.decompress(blob))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What NeMo-RL's metadata says about one session.
+
+    Attributes:
+        session: name of the session (hash of every engine's nonce, in metadata order).
+        folder: the session's folder under the shared ``url``.
+        train_world: policy workers (refit-group ranks ``0..T-1``).
+        rollout_world: vLLM workers (refit-group ranks ``T..T+R-1``).
+        table: canonical tensors the refit carries, name -> (wire dtype, shape): the export's
+            tensors (from the vLLM workers' ``state_dict_info``) that some vLLM worker loads.
+        unloaded: exported tensors no vLLM worker's ``load_weights`` loads (a tied ``lm_head``):
+            NeMo-RL's dense refit hands them to vLLM, which skips them; the refit skips them too.
+        nonces: every engine's nonce, in metadata order.
+        blobs: each rollout worker's packed ``{"placement": ...}`` (rollout rank order).
+    """
+
+    session: str
+    folder: str
+    train_world: int
+    rollout_world: int
+    table: dict[str, tuple[str, tuple[int, ...]]]
+    unloaded: frozenset[str]
+    nonces: tuple[str, ...]
+    blobs: tuple[bytes, ...]
+
+    @classmethod
+    def from_metadata(cls, url: str, metadata: Sequence[Any], train_world: int, rollout_world: int) -> "Topology":
+        """Parse NeMo-RL's ``metadata`` (policy entries, then rollout entries).
+
+        Raises:
+            ValueError: an entry is not from this plugin, the counts disagree, or the rollout
+                workers disagree on the canonical table.
+        """
+        if len(metadata) != train_world + rollout_world:
+            raise ValueError(f"metadata has {len(metadata)} entries for {train_world} policy + {rollout_world} "
+                             "rollout workers")
+        bad = [i for i, m in enumerate(metadata) if not (isinstance(m, Mapping) and TAG in m)]
+        if bad:
+            raise ValueError(f"metadata entries {bad[:8]} are not from nemo_dcr's checkpoint engine: every policy "
+                             "and vLLM worker must use the same refit_transport")
+        roles = [m[TAG] for m in metadata]
+        if roles != ["policy"] * train_world + ["rollout"] * rollout_world:
+            raise ValueError(f"metadata roles {roles} are not {train_world} policy then {rollout_world} rollout")
+        nonces = tuple(m["nonce"] for m in metadata)
+        session = hashlib.sha256("|".join(nonces).encode()).hexdigest()[:16]
+        rollout = metadata[train_world:]
+        tables = {m["table_sha"] for m in rollout}
+        if len(tables) != 1:
+            raise ValueError(f"the rollout workers hold {len(tables)} different canonical tables")
+        exported = {n: (d, tuple(s)) for n, (d, s) in unpack(rollout[0]["table"]).items()}
+        placed = set().union(*(m["placed"] for m in rollout))
+        table = {n: spec for n, spec in exported.items() if n in placed}
+        return cls(session, f"{url.rstrip('/')}/session-{session}", train_world, rollout_world, table,
+                   frozenset(exported) - placed, nonces, tuple(m["placement"] for m in rollout))
+
+    def placements(self) -> list[dict[str, TensorPlacement]]:
+        """Every rollout worker's placement (no primaries), in rollout rank order."""
+        return [placement_from_json(unpack(b)) for b in self.blobs]
+
+
+def rollout_metadata(nonce: str, table: Mapping, placement_json: Mapping) -> dict:
+    """What a vLLM worker's ``prepare()`` returns."""
+    table_blob = pack({n: [d, list(s)] for n, (d, s) in sorted(table.items())})
+    return {TAG: "rollout", "nonce": nonce, "table": table_blob, "table_sha": hashlib.sha256(table_blob).hexdigest(),
+            "placement": pack(placement_json), "placed": sorted(placement_json)}
+
+
+def policy_metadata(nonce: str) -> dict:
+    """What a policy worker's ``prepare()`` returns."""
+    return {TAG: "policy", "nonce": nonce}
+
+
+class SyncTransport:
+    """A :class:`~nemo_dcr.transport.StoreTransport` whose folder is ``<session>/sync-<n>`` for the
+    current sync ``n`` (:meth:`begin`) and whose run identity is ``<session>:sync-<n>`` (every
+    endpoint derives it from NeMo-RL's metadata, so all agree without talking, and a frame of
+    another session or sync is dropped by the transport); otherwise the same ``send`` / ``recv`` /
+    ``flush``.
+
+    Args:
+        folder: the session folder.
+        rank: this endpoint's refit-group rank.
+        key: HMAC key.
+        session: the session's name (:attr:`Topology.session`).
+    """
+
+    def __init__(self, folder: str, rank: int, key: bytes, session: str):
+        self.session_folder, self.rank, self.key, self.session = folder, rank, key, session
+        self.sync = 0
+        self._inner: StoreTransport | None = None
+
+    @property
+    def folder(self) -> str:
+        """The current sync's folder."""
+        return f"{self.session_folder}/sync-{self.sync:06d}"
+
+    def begin(self, sync: int) -> None:
+        """Move to sync ``sync``; this endpoint's inboxes of earlier syncs are deleted."""
+        self.sync = sync
+        self._inner = StoreTransport(self.folder, self.rank, self.key, run=f"{self.session}:sync-{sync:06d}")
+        remove_stale(self.session_folder, sync, inbox=self.rank)
+
+    def _t(self) -> StoreTransport:
+        if self._inner is None:
+            raise RuntimeError("SyncTransport used before begin(sync)")
+        return self._inner
+
+    def send(self, dst: int, env: Envelope) -> None:
+        """Send within the current sync's folder."""
+        self._t().send(dst, env)
+
+    def flush(self) -> None:
+        """See :meth:`StoreTransport.flush`."""
+        self._t().flush()
+
+    def recv(self, src: int | None = None, timeout: float | None = None) -> Envelope:
+        """Receive from the current sync's folder."""
+        return self._t().recv(src, timeout)
+
+
+def _fs(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def remove_stale(session_folder: str, sync: int, inbox: int | None = None) -> list[str]:
+    """Delete what earlier syncs of a session left: this endpoint's ``inbox`` in every earlier
+    sync folder, or (``inbox=None``) every sync folder older than the previous one.  Returns the
+    paths deleted (missing ones are skipped: another endpoint may be cleaning at the same time)."""
+    fs, root = _fs(session_folder)
+    gone = []
+    for path in _listing(fs, root):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if not name.startswith("sync-") or not name[5:].isdigit():
+            continue
+        n = int(name[5:])
+        if inbox is not None:
+            target = f"{path}/to-{inbox}" if n < sync else None
+        else:
+            target = path if n < sync - 1 else None
+        if target is not None and _remove(fs, target):
+            gone.append(target)
+    return gone
+
+
+def remove_other_sessions(url: str, session: str) -> list[str]:
+    """Delete every ``session-*`` folder under ``url`` except ``session-<session>`` (one job per ``url``)."""
+    fs, root = _fs(url)
+    gone = []
+    for path in _listing(fs, root):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("session-") and name != f"session-{session}" and _remove(fs, path):
+            gone.append(path)
+    return gone
+
+
+def _listing(fs, root: str) -> list[str]:
+    try:
+        return fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+
+
+def _remove(fs, path: str) -> bool:
+    try:
+        fs.rm(path, recursive=True)
+        return True
+    except FileNotFoundError:
+        return False
