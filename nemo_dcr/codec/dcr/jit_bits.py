@@ -32,20 +32,21 @@ def set_rice_k(m, size):
 
 
 @njit
-def best_k(vals, count, exact):
-    """``k`` minimizing the Rice bits of ``vals[:count]`` as :func:`nemo_dcr.codec.bitio.best_rice_k`
-    picks it; -1 when the sum reaches ``exact`` (the float mean would not be exact)."""
+def best_k(vals, lo, hi, count, exact):
+    """``k`` minimizing the Rice bits of ``count`` values as :func:`nemo_dcr.codec.bitio.best_rice_k`
+    picks it: ``vals[lo:hi]`` holds them and zeros for the rest of its entries (zeros add nothing to
+    the sums); -1 when their sum reaches ``exact`` (the float mean would not be exact)."""
     if count == 0:
         return 0
     total = 0
-    for i in range(count):
+    for i in range(lo, hi):
         total += vals[i]
         if total >= exact:
             return -1
     guess = min(max(math.ceil(math.log2(total / count + 1.0)), 0), MAX_K)
     kmin, kmax = max(0, guess - 8), min(MAX_K, guess + 1)
     sums = np.zeros(10, np.int64)
-    for i in range(count):
+    for i in range(lo, hi):
         for j in range(kmax - kmin + 1):
             sums[j] += vals[i] >> (kmin + j)
     best, best_cost = kmin, -1

@@ -135,9 +135,9 @@ def _values_bits(vals, flags, gs, n, k, emit, out, qoff, st, rbuf):
 
 
 @njit
-def _steps(dd, gs, n, negf, nzf, extra, scratch, exact):
+def _steps(dd, gs, n, negf, nzf, extra, exact):
     """Sign and magnitude fields of one group: ``(n_neg, m_off, n_nz, k_val)``; flags and extras
-    filled in place (``k_val`` -1 when its mean would not be exact)."""
+    (zero where the flag is off) filled in place (``k_val`` -1 when its mean would not be exact)."""
     m_off = abs(dd[gs]) - 1
     for i in range(gs, gs + n):
         m_off = min(m_off, abs(dd[i]) - 1)
@@ -147,15 +147,14 @@ def _steps(dd, gs, n, negf, nzf, extra, scratch, exact):
         n_neg += negf[i]
         nzf[i] = abs(dd[i]) - 1 > m_off
         extra[i] = abs(dd[i]) - 2 - m_off if nzf[i] else 0
-        if nzf[i]:
-            scratch[n_nz] = extra[i]
-            n_nz += 1
-    return n_neg, m_off, n_nz, best_k(scratch, n_nz, exact)
+        n_nz += nzf[i]
+    return n_neg, m_off, n_nz, best_k(extra, gs, gs + n, n_nz, exact)
 
 
 @njit
-def _literals(nw, gs, n, litv, scratch, ehist, mb, nbits, exact):
-    """Literal fields of one group: ``(e_ref, k_lit)``; the literal values into ``litv``."""
+def _literals(nw, gs, n, litv, ehist, mb, nbits, exact):
+    """Literal fields of one group: ``(e_ref, k_lit)``; the literal values into ``litv`` (first
+    their zigzag exponent offsets, which fix ``k_lit``)."""
     emask = ehist.size - 1
     ehist[:] = 0
     for i in range(gs, gs + n):
@@ -163,18 +162,19 @@ def _literals(nw, gs, n, litv, scratch, ehist, mb, nbits, exact):
     e_ref = np.argmax(ehist)
     for i in range(gs, gs + n):
         x = ((nw[i] >> mb) & emask) - e_ref
-        zz = (x << 1) ^ (x >> 63)
-        scratch[i - gs] = zz
-        litv[i] = (zz << (mb + 1)) | ((nw[i] >> (nbits - 1)) << mb) | (nw[i] & ((1 << mb) - 1))
-    return e_ref, best_k(scratch, n, exact)
+        litv[i] = (x << 1) ^ (x >> 63)
+    k_lit = best_k(litv, gs, gs + n, n, exact)
+    for i in range(gs, gs + n):
+        litv[i] = (litv[i] << (mb + 1)) | ((nw[i] >> (nbits - 1)) << mb) | (nw[i] & ((1 << mb) - 1))
+    return e_ref, k_lit
 
 
 @njit
 def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits, exact):
     """Pass A for group ``g`` (changes ``gs .. gs + n`` in rank order): every table field, the
     steps-or-literals choice and the group's Q and R bits.  False when a mean is inexact."""
-    negf, nzf, extra, litv, scratch, ehist, none, out, st, rbuf = work
-    n_neg, m_off, n_nz, k_val = _steps(dd, gs, n, negf, nzf, extra, scratch, exact)
+    negf, nzf, extra, litv, ehist, none, out, st, rbuf = work
+    n_neg, m_off, n_nz, k_val = _steps(dd, gs, n, negf, nzf, extra, exact)
     if k_val < 0:
         return False
     q1, r1 = _set_bits(negf, gs, n, False, out, 0, st, rbuf)
@@ -185,7 +185,7 @@ def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits, exact):
     e_ref, k_lit, ql, lit = 0, 0, 0, False
     kl = mb + 1
     if n * (mb + 2) + 8 * (varint_len(n + 1) + 2) < step:  # literals could be smaller: cost them exactly
-        e_ref, k_lit = _literals(nw, gs, n, litv, scratch, ehist, mb, nbits, exact)
+        e_ref, k_lit = _literals(nw, gs, n, litv, ehist, mb, nbits, exact)
         if k_lit < 0:
             return False
         kl += k_lit
@@ -229,19 +229,18 @@ def _sorted_changes(old_bits, new_bits, s, nbits, mb, emask):
     """Changes in (class, index) order: class counts, global class-order position, step, new bits."""
     m = old_bits.size
     ones, sign = (1 << nbits) - 1, 1 << (nbits - 1)
-    old, cls = np.empty(m, np.int64), np.empty(m, np.int64)
     ccount = np.zeros(emask + 1, np.int64)
     for i in range(m):
-        old[i] = np.int64(old_bits[i]) & ones
-        cls[i] = (old[i] >> mb) & emask
-        ccount[cls[i]] += 1
+        ccount[((np.int64(old_bits[i]) & ones) >> mb) & emask] += 1
     nxt = np.cumsum(ccount) - ccount
     srt, dd, nw = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
     for i in range(m):
-        j = nxt[cls[i]]
-        nxt[cls[i]] += 1
+        old = np.int64(old_bits[i]) & ones
+        c = (old >> mb) & emask
+        j = nxt[c]
+        nxt[c] += 1
         nw[j] = np.int64(new_bits[i]) & ones
-        dd[j] = signed_step(old[i], nw[j], ones, sign)
+        dd[j] = signed_step(old, nw[j], ones, sign)
         srt[j] = s[i]
     return ccount, srt, dd, nw
 
@@ -249,7 +248,7 @@ def _sorted_changes(old_bits, new_bits, s, nbits, mb, emask):
 @njit
 def _emit(G, gstart, sizes, rank, stats, work, qoff, mb):
     """Pass B: every group's items, in stream order."""
-    negf, nzf, extra, litv, scratch, ehist, none, out, st, rbuf = work
+    negf, nzf, extra, litv, ehist, none, out, st, rbuf = work
     for g in range(G):
         gs, n = gstart[g], stats[g, N]
         if n == 0:
@@ -284,8 +283,9 @@ def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group, e
     for g in range(G):
         rank[gstart[g] : gstart[g + 1]] -= starts[g]
     stats = np.zeros((G, 10), np.int64)
-    work = (np.zeros(m, np.bool_), np.zeros(m, np.bool_), np.zeros(m, np.int64), np.zeros(m, np.int64),
-            np.zeros(m, np.int64), np.zeros(emask + 1, np.int64), np.zeros(0, np.bool_), np.zeros(0, np.uint8),
+    # every entry of these is written for its group before it is read (literals: once costed)
+    work = (np.empty(m, np.bool_), np.empty(m, np.bool_), np.empty(m, np.int64), np.empty(m, np.int64),
+            np.zeros(emask + 1, np.int64), np.zeros(0, np.bool_), np.zeros(0, np.uint8),
             np.zeros(4, np.int64), np.zeros(0, np.uint8))
     for g in range(G):
         if not _group_stats(g, gstart[g], gstart[g + 1] - gstart[g], sizes[g], rank, dd, nw, work, stats, mb,
@@ -296,7 +296,7 @@ def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group, e
     out = np.zeros(tab.size + (q_len + r_len + 7) // 8, np.uint8)
     out[: tab.size] = tab
     rbuf = np.zeros(r_len // 8 + 2, np.uint8)
-    work = work[:7] + (out, np.zeros(4, np.int64), rbuf)
+    work = work[:6] + (out, np.zeros(4, np.int64), rbuf)
     _emit(G, gstart, sizes, rank, stats, work, tab.size, mb)
-    merge_r(out, tab.size, q_len, work[8], rbuf)
+    merge_r(out, tab.size, q_len, work[7], rbuf)
     return out

@@ -130,63 +130,90 @@ def _first(sup):
     return first
 
 
+CHUNK = 1024  # changes ranked per round of passes (their scratch stays in cache)
+
+
 @njit
 def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out):
     """Class-order position of each changed element (``old``: its base bits, ``n``: elements);
-    returns the first entry the index does not hold (stale index) or that is out of order or
-    range, else -1.
+    returns the first entry that is out of order or range, else the first the index does not
+    hold (stale index), else -1.
 
-    Separate passes (classes, run bounds, the entry where a uniform run would hold each element,
-    searches from there) keep each pass's loads independent and branch-free, so the cache misses
-    of many changes overlap instead of waiting on each other.
+    Chunks of :data:`CHUNK` changes go through separate passes (classes and run bounds, the entry
+    where a uniform run would hold each element, searches from there): each pass's loads are
+    independent and branch-free, so the cache misses of many changes overlap instead of waiting
+    on each other, and the scratch is a few cache-sized arrays whatever the change count.
     """
     m, first = positions.size, _first(sup)
-    cls, lo, hi = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
     prev = -1
     for j in range(m):
         p = positions[j]
         if p <= prev or p >= n:
             return j
         prev = p
-        cls[j] = _cls(old[j], shift, emask)
-    for j in range(m):
-        b, c = positions[j] >> BSHIFT, cls[j]
-        lo[j], hi[j] = (b << BSHIFT) + lfirst[b, c], (b << BSHIFT) + lfirst[b, c + 1]
-        out[j] = first[c] + sup[c, b >> SSHIFT] + sbefore[c, b] - lo[j]
-    guess, at_guess = np.empty(m, np.int64), np.empty(m, np.int64)
-    for j in range(m):
-        guess[j] = lo[j] + (((hi[j] - lo[j]) * (positions[j] & (BLOCK - 1))) >> BSHIFT)
-        at_guess[j] = order[min(guess[j], order.size - 1)]
-    for j in range(m):
-        loc = positions[j] & (BLOCK - 1)
-        if lo[j] == hi[j]:
-            return j
-        i = near(order, lo[j], hi[j], loc, guess[j], at_guess[j])
-        if i == hi[j] or order[i] != loc:
-            return j
-        out[j] += i
+    lo, hi = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.int64)
+    guess, at_guess = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.int64)
+    for j0 in range(0, m, CHUNK):
+        w = min(CHUNK, m - j0)
+        for t in range(w):
+            p = positions[j0 + t]
+            b, c = p >> BSHIFT, _cls(old[j0 + t], shift, emask)
+            lo[t], hi[t] = (b << BSHIFT) + lfirst[b, c], (b << BSHIFT) + lfirst[b, c + 1]
+            out[j0 + t] = first[c] + sup[c, b >> SSHIFT] + sbefore[c, b] - lo[t]
+        for t in range(w):
+            guess[t] = lo[t] + (((hi[t] - lo[t]) * (positions[j0 + t] & (BLOCK - 1))) >> BSHIFT)
+            at_guess[t] = order[min(guess[t], order.size - 1)]
+        for t in range(w):
+            loc = positions[j0 + t] & (BLOCK - 1)
+            if lo[t] == hi[t]:
+                return j0 + t
+            i = near(order, lo[t], hi[t], loc, guess[t], at_guess[t])
+            if i == hi[t] or order[i] != loc:
+                return j0 + t
+            out[j0 + t] += i
     return -1
+
+
+@njit
+def _superblock(sup, c, k, lo):
+    """Last superblock ``>= lo`` whose start count in class ``c`` is ``<= k`` (``sup[c, lo] <= k``):
+    a walk of up to 8 steps from ``lo``, then halving."""
+    hi = sup.shape[1] - 2
+    for _ in range(8):
+        if lo >= hi or sup[c, lo + 1] > k:
+            return lo
+        lo += 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if sup[c, mid] <= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @njit
 def select(cls, kk, order, lfirst, sbefore, sup):
     """Flat index of the element of each rank ``kk[i]`` (``< hist[c]``) among those of class
     ``cls[i]``, in passes: superblock and block (from the per-class rows), then the block's run;
-    the indexes are written over ``kk`` (each rank is read before it is replaced) and returned."""
+    the indexes are written over ``kk`` (each rank is read before it is replaced) and returned.
+
+    Changes come sorted by (class, rank), so each search starts where the previous one of the
+    same class ended (a walk over the tables, not a search per change); any order is correct."""
     m = cls.size
     blk, at = np.empty(m, np.int32), kk  # blocks < 2**31
+    pc, pk, sb, b = -1, 0, 0, 0
     for i in range(m):
         c, k = cls[i], kk[i]
-        lo, hi = 0, sup.shape[1] - 2  # last superblock whose start count is <= k
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if sup[c, mid] <= k:
-                lo = mid
-            else:
-                hi = mid - 1
-        k -= sup[c, lo]
-        b = lo << SSHIFT
-        end = min(b + (1 << SSHIFT), lfirst.shape[0])
+        if c != pc or k < pk:
+            sb, b = 0, 0
+        pc, pk = c, k
+        start = sb
+        sb = _superblock(sup, c, k, sb)
+        k -= sup[c, sb]
+        if sb != start or b < sb << SSHIFT:
+            b = sb << SSHIFT
+        end = min((sb + 1) << SSHIFT, lfirst.shape[0])
         while b + 1 < end and sbefore[c, b + 1] <= k:
             b += 1
         blk[i], at[i] = b, k - sbefore[c, b] + (b << BSHIFT)
