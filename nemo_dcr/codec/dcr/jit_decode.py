@@ -6,8 +6,9 @@ change its (class, rank) place and its step or literal value; a select stage map
 flat indices (a kept :class:`~nemo_dcr.codec.dcr.class_index.DcrIndex`, or
 :func:`onepass_select` over the base); :func:`finish` rebuilds new bits from the old ones and
 :func:`position_order` sorts by position (two counting-sort passes).  Arrays are sized to keep
-the peak memory a small constant per change (docs/performance.md).  A refusal comes back as a non-zero code (``ERR``);
-the caller turns it into a :class:`~nemo_dcr.codec.errors.MalformedRecordError`.
+the peak memory a small constant per change (docs/performance.md).  A refusal comes back as a
+non-zero code (``ERR``); the caller turns it into a
+:class:`~nemo_dcr.codec.errors.MalformedRecordError`.
 """
 
 from __future__ import annotations
