@@ -35,6 +35,7 @@ with atheris.instrument_imports(include=["nemo_dcr"], exclude=NUMBA_MODULES):
     import nemo_dcr.codec.header  # noqa: F401
     import nemo_dcr.transport.store  # noqa: F401
 
+from nemo_dcr.codec.warm import warm  # noqa: E402
 from tests.fuzz import targets  # noqa: E402
 
 
@@ -57,6 +58,7 @@ def main(argv: list[str]) -> None:
         write_seeds(name, Path(folder))
         rest = rest[:i] + rest[i + 2:] + [folder]
     run = targets.TARGETS[name][0]
+    warm()  # compile (or load) the kernels first: a first-use compile would count as a hang
     atheris.Setup([argv[0]] + rest, lambda data: run(data))
     atheris.Fuzz()
 
