@@ -8,11 +8,12 @@ Usage::
 DIR and fuzzes with DIR as the corpus.
 
 TARGET is ``payload``, ``header`` or ``envelope``. ``nemo_dcr`` is instrumented (edge coverage of
-its Python code); numpy, zstandard and the numba-compiled kernels run uninstrumented. A
-:class:`targets.SilentChange` or any other exception ends the run as a crash (libFuzzer writes the input to ``crash-*``); an input
-running past ``-timeout`` seconds ends it as a hang. ``benchmarks/fuzz.py`` runs every target
-for a number of inputs and reports the figures; ``tests/fuzz/test_atheris_smoke.py`` runs a
-few thousand inputs of each in CI.
+its Python code); numpy, zstandard and the numba-compiled kernels run uninstrumented (the kernels
+are compiled, or loaded from their cache, before fuzzing starts). A :class:`targets.SilentChange`
+or any other exception ends the run as a crash (libFuzzer writes the input to ``crash-*``); an
+input running past ``-timeout`` seconds ends it as a hang. ``benchmarks/fuzz.py`` runs every
+target for a number of inputs and reports the figures; ``tests/fuzz/test_atheris_smoke.py`` runs
+a few thousand inputs of each in CI.
 """
 
 from __future__ import annotations
