@@ -65,7 +65,23 @@ def train_step(state: dict[str, torch.Tensor], seed: int, frac: float = 0.05) ->
         t[mask] = (t.float()[mask] + torch.randn(t.shape, generator=g)[mask] * 1e-2).to(t.dtype)
 
 
-class PolicyWorker:
+class _CheckpointEngineHost:
+    """What NeMo-RL's policy and vLLM checkpoint-engine mixins share: create the engine once per
+    worker, and tag its metadata with the worker's rank."""
+
+    rank: int
+    checkpoint_engine: object | None
+
+    def init_checkpoint_engine(self, selector: str, bucket_size: int, refit_cfg: dict) -> None:
+        if self.checkpoint_engine is None:
+            self.checkpoint_engine = create_checkpoint_engine(selector, bucket_size, refit_cfg)
+
+    def prepare_checkpoint_engine(self):
+        md = self.checkpoint_engine.prepare()
+        return {**md, "rank": self.rank} if isinstance(md, dict) else md
+
+
+class PolicyWorker(_CheckpointEngineHost):
     """One policy worker (NeMo-RL's checkpoint-engine mixin on a Megatron worker)."""
 
     def __init__(self, rank: int, state: dict[str, torch.Tensor], export_delay_s: float = 0.0):
@@ -82,14 +98,6 @@ class PolicyWorker:
     def prepare_refit_info(self) -> dict:
         return {n: (t.shape, t.dtype) for n, t in self.state.items()}
 
-    def init_checkpoint_engine(self, selector: str, bucket_size: int, refit_cfg: dict) -> None:
-        if self.checkpoint_engine is None:
-            self.checkpoint_engine = create_checkpoint_engine(selector, bucket_size, refit_cfg)
-
-    def prepare_checkpoint_engine(self):
-        md = self.checkpoint_engine.prepare()
-        return {**md, "rank": self.rank} if isinstance(md, dict) else md
-
     def init_checkpoint_engine_process_group(self, **topology) -> None:
         self.checkpoint_engine.init_policy_process_group(worker_rank=self.rank, **topology)
 
@@ -98,7 +106,7 @@ class PolicyWorker:
             asyncio.run(self.checkpoint_engine.send_weights(self.export()))
 
 
-class VllmWorker:
+class VllmWorker(_CheckpointEngineHost):
     """One vLLM worker (a TP rank) with NeMo-RL's extension; the model starts from dummy weights."""
 
     def __init__(self, dims: StandinDims, tp: int, rank: int, seed: int):
@@ -114,14 +122,6 @@ class VllmWorker:
 
     def prepare_refit_info(self, info: dict) -> None:
         self.state_dict_info = info
-
-    def init_checkpoint_engine(self, selector: str, bucket_size: int, refit_cfg: dict) -> None:
-        if self.checkpoint_engine is None:
-            self.checkpoint_engine = create_checkpoint_engine(selector, bucket_size, refit_cfg)
-
-    def prepare_checkpoint_engine(self):
-        md = self.checkpoint_engine.prepare()
-        return {**md, "rank": self.rank} if isinstance(md, dict) else md
 
     def init_checkpoint_engine_process_group(self, rank_prefix: int, train_world: int, rollout_world: int,
                                              metadata: list) -> None:
