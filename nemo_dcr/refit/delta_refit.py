@@ -44,14 +44,15 @@ from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.transport import Envelope, MessageKind
 from nemo_dcr.types import SparseDelta
+from nemo_dcr.telemetry.phases import PhaseClock
 from nemo_dcr.verify.checksum import updated_checksum
 
-from .formats import sender_mirror
+from .fp8_mirror import sender_mirror
 from .group import TrainerGroup
 from .messages import QUERY_PLACEMENT
-from .report import RefitReport
+from .refit_report import RefitReport
 from .routing import assign_owners
-from .sender import PhaseClock, RefitSender, Tamper, verify_due
+from .sender import RefitSender, Tamper, verify_due
 from .server import Engine, EngineServer
 from .source import TrainerSource, source_for
 from .wiring import Wiring, colocated_wiring

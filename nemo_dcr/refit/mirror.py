@@ -110,7 +110,7 @@ class SenderMirror:
         """The engine holds the trainer-side bits (:meth:`current`) of ``names`` at ``version``."""
         self.reset(self.current(names), version)
 
-    # -- the engine format: the engine holds the canonical tensors (see refit/formats.py) ------------
+    # -- the engine format: the engine holds the canonical tensors (see refit/fp8_mirror.py) ------------
 
     def engine_names(self, names: Sequence[str]) -> list[str]:
         """The engine tensors of canonical tensors ``names`` (here: the same names)."""

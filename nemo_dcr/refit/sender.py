@@ -14,27 +14,26 @@ through the same protocol (a delta at 100% density).
 from __future__ import annotations
 
 import json
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from nemo_dcr.apply.placement import RankPlacement
 from nemo_dcr.codec import Identity, encode_deltas
 from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.telemetry.phases import PhaseClock
 from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import MASK64
-from nemo_dcr.verify.report import ChecksumMismatch, VerifyReport, compare
+from nemo_dcr.verify.compare import ChecksumMismatch, VerifyReport, compare
 
 from .fanout import Fanout
-from .formats import Fp8Mirror
+from .fp8_mirror import Fp8Mirror
 from .group import TrainerGroup
 from .messages import QUERY_FULL, EngineReply
 from .mirror import SenderMirror
 from .payloads import resync_payload
-from .report import RefitReport
+from .refit_report import RefitReport
 from .routing import by_owner, merge, pack, unpack
 
 Tamper = Callable[[list[Envelope]], list[Envelope]]
@@ -49,25 +48,6 @@ def verify_due(cfg: DcrConfig, refit_index: int) -> tuple[bool, bool]:
     full = bool(cfg.full_verify_interval) and refit_index % cfg.full_verify_interval == 0
     every = bool(cfg.verify_interval) and refit_index % cfg.verify_interval == 0
     return every or full, full
-
-
-class PhaseClock:
-    """Wall seconds per named phase (``perf_counter``); phases may repeat and accumulate.
-
-    Args:
-        seconds: the dict to accumulate into (default: a new one).
-    """
-
-    def __init__(self, seconds: dict[str, float] | None = None):
-        self.seconds = {} if seconds is None else seconds
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
 
 @dataclass
@@ -88,7 +68,7 @@ class RefitSender:
         engine_ranks: refit-group ranks of the engines.
         owners: canonical tensor -> owning trainer rank.
         mirror: this rank's mirror of what the engine holds of its owned tensors, in the engine's
-            format (a :class:`SenderMirror`, or an :class:`~.formats.Fp8Mirror`: see refit/formats.py).
+            format (a :class:`SenderMirror`, or an :class:`~.fp8_mirror.Fp8Mirror`: see refit/fp8_mirror.py).
         routes: placement per ``(engine rank, shard)`` (None: engines hold canonical tensors whole).
         model: model name carried in payload headers.
     """

@@ -4,10 +4,12 @@ A source is framework-specific (Megatron-Core chunks in ``nemo_dcr.integrations.
 canonical tensors handed over by NeMo-RL's export in ``nemo_dcr.integrations.nemo_rl``, a
 stand-in in the tests); the refit path only sees this protocol.
 
-Integrations register a *builder* for the model objects they understand
-(:func:`register_source`); :func:`source_for` turns a user's model into a source, so
-``DeltaRefit.from_config(cfg, model, optimizer)`` works for any registered framework while the
-core never imports one.
+Integrations register a *builder* for the model objects they understand, as an entry point of
+the group :data:`ENTRY_POINTS` (``pyproject.toml``: ``megatron-core =
+"nemo_dcr.integrations.megatron:source_from_model"``) or with :func:`register_source`;
+:func:`source_for` turns a user's model into a source, loading the entry points on first use, so
+``DeltaRefit.from_config(cfg, model, optimizer)`` works for any installed framework whichever
+module the caller imported first, while the core never imports one.
 """
 
 from __future__ import annotations
@@ -44,6 +46,29 @@ class TrainerSource(Protocol):
 
 SourceBuilder = Callable[..., "TrainerSource | None"]
 _BUILDERS: list[tuple[str, SourceBuilder]] = []
+ENTRY_POINTS = "nemo_dcr.sources"
+"""Entry-point group of the framework source builders (name: the framework)."""
+_loaded_entry_points = False
+
+
+def _load_entry_points() -> None:
+    """Register every builder of the :data:`ENTRY_POINTS` group once (a broken one is named)."""
+    global _loaded_entry_points
+    if _loaded_entry_points:
+        return
+    _loaded_entry_points = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS):
+        if ep.name in {f for f, _ in _BUILDERS}:
+            continue
+        try:
+            register_source(ep.name, ep.load())
+        except Exception as exc:  # an integration whose framework is missing: say which, go on
+            _BROKEN[ep.name] = f"{type(exc).__name__}: {exc}"
+
+
+_BROKEN: dict[str, str] = {}
 
 
 def register_source(framework: str, builder: SourceBuilder) -> None:
@@ -60,10 +85,12 @@ def source_for(model: Any, **options) -> TrainerSource:
     """
     if isinstance(model, TrainerSource):
         return model
+    _load_entry_points()
     for _, builder in _BUILDERS:
         source = builder(model, **options)
         if source is not None:
             return source
-    known = ", ".join(f for f, _ in _BUILDERS) or "none (import nemo_dcr.integrations)"
+    known = ", ".join(f for f, _ in _BUILDERS) or "none"
+    broken = "".join(f"; {name} did not load ({why})" for name, why in sorted(_BROKEN.items()))
     raise TypeError(f"no trainer source for a {type(model).__name__}: pass a TrainerSource or a model of a "
-                    f"registered framework ({known})")
+                    f"registered framework ({known}{broken})")

@@ -19,12 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import torch
 import torch.distributed as dist
 
 from nemo_dcr.codec.auth import read_key_file
 from nemo_dcr.config.schema import ConfigError, DcrConfig
-from nemo_dcr.transport import DistTransport, InProcHub, StoreTransport, Transport, TransportUnavailableError
+from nemo_dcr.transport import DistTransport, InProcHub, StoreTransport, Transport
 from nemo_dcr.transport.mux import Mux
 from nemo_dcr.transport.store import new_run_id
 
@@ -87,20 +86,14 @@ def _process_transport(cfg: DcrConfig, rank: int, world: int, key: bytes | None,
     if kind == "inprocess":
         if world != 1:
             raise ConfigError("dcr.transport", f"inprocess needs the trainer and the engine in one process; "
-                                               f"this job has {world} trainer processes (use gloo, nccl or store)")
+                                               f"this job has {world} trainer processes (use gloo or store)")
         return InProcHub(1).transport(0), []
     if kind == "store":
         key = key if key is not None else read_key_file(cfg.key_file)
         return StoreTransport(cfg.url, rank, key, run=shared_run_id(group)), []
-    if kind == "cuda_ipc":
-        raise TransportUnavailableError("dcr.transport=cuda_ipc carries payloads between processes on one GPU "
-                                        "node; with a colocated engine use gloo or nccl")
     if world == 1:
         return InProcHub(1).transport(0), []
-    if kind == "nccl" and not torch.cuda.is_available():
-        raise TransportUnavailableError("dcr.transport=nccl needs CUDA; use gloo on CPU")
-    device = "cuda" if kind == "nccl" else "cpu"
-    t = DistTransport(dist.new_group(backend=kind), rank, device=device)
+    t = DistTransport(dist.new_group(backend="gloo"), rank)
     return t, [t.close]
 
 

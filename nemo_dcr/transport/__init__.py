@@ -1,4 +1,4 @@
-"""Transports between trainer ranks and engine ranks (in-process, torch.distributed, fsspec, CUDA IPC)."""
+"""Transports between trainer ranks and engine ranks (in-process, torch.distributed over gloo, fsspec store)."""
 
 from .base import Envelope, MessageKind, Transport, TransportError, TransportTimeout, TransportUnavailableError
 from .dist import DistTransport

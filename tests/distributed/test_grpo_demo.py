@@ -22,7 +22,7 @@ def _demo(tmp_path, steps: int, *overrides: str) -> dict:
     summary = tmp_path / "run" / "summary.json"  # the default place: run.run_dir/summary.json
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, "-m", "nemo_dcr.cli", "demo", "--steps", str(steps), "--run-dir", str(tmp_path / "run"), *overrides],
+        [sys.executable, "-m", "nemo_dcr.tools.cli", "demo", "--steps", str(steps), "--run-dir", str(tmp_path / "run"), *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[grpo] step ") == steps

@@ -1,6 +1,6 @@
 """The refit path on real megatron-core shards (gloo) vs an independent dense export.
 
-Each case launches its own torchrun job running :mod:`nemo_dcr.integrations.megatron.check`:
+Each case launches its own torchrun job running :mod:`nemo_dcr.tools.megatron.check_layout`:
 ``DeltaRefit.from_config`` builds the refit from the model itself; every rank captures its own
 DP/TP-replica slice of its shard, remaps it, routes the canonical pieces to their owners, which
 encode and send them to an engine hosted by rank 0 that started empty.  After the first sync and
@@ -44,7 +44,7 @@ def check_result(r: dict) -> None:
 @pytest.mark.parametrize("model,tp,pp,ep,etp,nproc", CASES)
 def test_sparse_remap_equals_dense_export(tmp_path, model, tp, pp, ep, etp, nproc):
     out = tmp_path / "result.json"
-    r = torchrun(["-m", "nemo_dcr.integrations.megatron.check", "--model", model, "--tp", str(tp),
+    r = torchrun(["-m", "nemo_dcr.tools.megatron.check_layout", "--model", model, "--tp", str(tp),
                   "--pp", str(pp), "--ep", str(ep), "--etp", str(etp), "--steps", "2",
                   "--out", str(out)], nproc, out)
     check_result(r)
@@ -66,7 +66,7 @@ def test_virtual_pipeline_remap_equals_dense_export(tmp_path, extra, stage_layer
     """Every chunk captured and remapped with its own plan; megatron placed the layers the
     plans expect (the worker checks names and layer numbers per chunk)."""
     out = tmp_path / "result.json"
-    r = torchrun(["-m", "nemo_dcr.integrations.megatron.check", "--model", "dense-tiny",
+    r = torchrun(["-m", "nemo_dcr.tools.megatron.check_layout", "--model", "dense-tiny",
                   "--tp", "2", "--pp", "2", "--vpp", "2", "--steps", "2", "--out", str(out),
                   *extra], 4, out)
     check_result(r)
@@ -81,7 +81,7 @@ def test_data_parallel_captures_the_distributed_optimizer_slices(tmp_path):
     of the param buffer its optimizer owns (from the DDP buckets), and the engine still ends up
     bit-exact against the dense export."""
     out = tmp_path / "result.json"
-    r = torchrun(["-m", "nemo_dcr.integrations.megatron.check", "--model", "dense-tiny", "--tp", "2",
+    r = torchrun(["-m", "nemo_dcr.tools.megatron.check_layout", "--model", "dense-tiny", "--tp", "2",
                   "--ddp", "--steps", "2", "--out", str(out)], 4, out)
     check_result(r)
     assert r["layout"]["dp"] == 2 and r["ddp"] is True

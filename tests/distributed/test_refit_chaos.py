@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_dcr.chaos import FAULTS, ChaosConfig, run_chaos
+from nemo_dcr.tools.chaos import FAULTS, ChaosConfig, run_chaos
 
 pytestmark = pytest.mark.distributed
 

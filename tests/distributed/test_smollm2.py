@@ -57,7 +57,7 @@ def test_megatron_logits_match_hf(hf_files, tmp_path):
 
 def test_capture_remap_bit_exact_after_adamw(hf_files, tmp_path):
     out = tmp_path / "capture.json"
-    r = torchrun(["-m", "nemo_dcr.integrations.megatron.check", "--model", "smollm2", "--tp", "3",
+    r = torchrun(["-m", "nemo_dcr.tools.megatron.check_layout", "--model", "smollm2", "--tp", "3",
                   "--pp", "2", "--steps", "2", "--tokens", "8",
                   "--checkpoint", str(hf_files / "model.safetensors"), "--out", str(out)], 6, out)
     check_result(r)

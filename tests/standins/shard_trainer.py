@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.types import SparseDelta, host_bits
-from nemo_dcr.verify.report import ShardChecksums
+from nemo_dcr.verify.compare import ShardChecksums
 
 
 def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:

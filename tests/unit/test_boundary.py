@@ -5,8 +5,11 @@
   not even inside a function (``importlib.import_module`` with a literal name counts too).
 * **No cycles** between modules (a module importing its own ancestor package is Python's implicit
   parent import and does not count).
-* **Frameworks.** megatron, nemo_rl, vllm, sglang, transformers and safetensors are imported only
-  by ``nemo_dcr.integrations``; the layers below it do not import them at all, the layers above
+* **Library apart from tools.** ``nemo_dcr.tools`` (the demo recipe, chaos, the planner, the run
+  report, the CLI and the megatron CPU scaffolding) sits above every library part; no library
+  module imports it, not even lazily.
+* **Frameworks.** megatron, nemo_rl, vllm, sglang and transformers are imported only by
+  ``nemo_dcr.integrations``; the layers below it do not import them at all, the layers above
   only inside functions.
 * Importing the codec and the checksum in a fresh interpreter leaves those frameworks out of
   ``sys.modules`` (checked with stub packages on the path, so an import would really register).
@@ -37,10 +40,13 @@ LAYERS = {
     "integrations.megatron": 7, "integrations.hf": 7, "integrations.vllm": 7,
     "integrations.nemo_rl": 7.5,  # runs inside NeMo-RL's vLLM workers: uses the vLLM integration's loader helpers
     "integrations": 7,
-    "adapters": 8, "demo": 8, "chaos": 8, "plan": 8,
-    "commands": 9,
-    "cli": 10,
-    "": 11,  # the package root: the public API
+    "": 8,  # the package root: the library's public API
+    # the tools (never imported by the library, see test_library_never_imports_the_tools)
+    "tools": 9,
+    "tools.megatron": 9,  # CPU scaffolding: GPTModel building, the CPU shim, fp32-master stepping, dense copies
+    "tools.run_report": 10, "tools.demo": 10, "tools.chaos": 10, "tools.planner": 10,
+    "tools.commands": 11,
+    "tools.cli": 12,
 }
 """Part of the package -> layer.  ``integrations.X`` are separate parts of one layer."""
 FRAMEWORK_FREE_BELOW = LAYERS["integrations"]
@@ -203,7 +209,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_checker_catches_violations():
     """The checker itself: each of these must be flagged, and the allowed forms must not be."""
     mods = {"nemo_dcr.codec", "nemo_dcr.codec.x", "nemo_dcr.refit", "nemo_dcr.refit.delta_refit",
-            "nemo_dcr.integrations.megatron", "nemo_dcr.commands.x", "nemo_dcr.layout", "nemo_dcr.types",
+            "nemo_dcr.integrations.megatron", "nemo_dcr.tools.commands.x", "nemo_dcr.layout", "nemo_dcr.types",
             "nemo_dcr.integrations.hf"}
     bad = [
         ("nemo_dcr.codec.x", "codec/x.py", "import transformers\n"),
@@ -212,13 +218,13 @@ def test_checker_catches_violations():
         ("nemo_dcr.refit.z", "refit/z.py", "import importlib\nM = importlib.import_module('nemo_dcr.integrations.megatron')\n"),
         ("nemo_dcr.refit.z", "refit/z.py", "def f():\n    import vllm.engine\n"),
         ("nemo_dcr.integrations.hf.a", "integrations/hf/a.py", "from nemo_dcr.integrations.megatron import x\n"),
-        ("nemo_dcr.commands.b", "commands/b.py", "import transformers\n"),
+        ("nemo_dcr.tools.commands.b", "commands/b.py", "import transformers\n"),
         ("nemo_dcr.types", "types.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nemo_dcr import codec\n"),
     ]
     for mod, rel, src in bad:
         assert check_module(mod, Path(rel), src, mods), (rel, src)
     ok = {
-        ("nemo_dcr.commands.x", "commands/x.py"): "def run():\n    from nemo_dcr.integrations import hf\n    import transformers\n",
+        ("nemo_dcr.tools.commands.x", "commands/x.py"): "def run():\n    from nemo_dcr.integrations import hf\n    import transformers\n",
         ("nemo_dcr.integrations.megatron.s", "integrations/megatron/s.py"): "import megatron.core\nfrom nemo_dcr.refit import x\n",
         ("nemo_dcr.codec.z", "codec/z.py"): "import numpy\nfrom ..types import spec_of\nfrom . import x\n",
         ("nemo_dcr.codec.dcr.e", "codec/dcr/e.py"): "from .. import bitio\n",
@@ -232,10 +238,24 @@ def test_checker_catches_violations():
 def test_every_import_respects_the_layers():
     srcs = sources()
     for expected in ("nemo_dcr.codec.payload", "nemo_dcr.codec.dcr.encode", "nemo_dcr.refit.delta_refit",
-                     "nemo_dcr.types", "nemo_dcr.checkpoint", "nemo_dcr.cli", "nemo_dcr.integrations.megatron.source"):
+                     "nemo_dcr.types", "nemo_dcr.checkpoint", "nemo_dcr.tools.cli", "nemo_dcr.integrations.megatron.source"):
         assert expected in srcs, expected  # the scan is not vacuous
     violations = [v for m, (rel, src) in srcs.items() for v in check_module(m, rel, src, srcs)]
     assert not violations, "\n".join(violations)
+
+
+def test_library_never_imports_the_tools():
+    srcs = sources()
+    assert any(m.startswith("nemo_dcr.tools.") for m in srcs)  # the scan is not vacuous
+    bad = []
+    for module, (rel, source) in srcs.items():
+        if module == "nemo_dcr.tools" or module.startswith("nemo_dcr.tools."):
+            continue
+        package = module if rel.name == "__init__.py" else module.rpartition(".")[0]
+        for name, line, _ in imported_modules(ast.parse(source), package):
+            if name == "nemo_dcr.tools" or name.startswith("nemo_dcr.tools."):
+                bad.append(f"nemo_dcr/{rel}:{line}: the library imports the tool {name}")
+    assert not bad, "\n".join(bad)
 
 
 def test_no_import_cycle():
@@ -244,7 +264,7 @@ def test_no_import_cycle():
 
 
 CORE_IMPORTS = ("nemo_dcr.codec", "nemo_dcr.verify.checksum", "nemo_dcr.codec.payload", "nemo_dcr.codec.dcr",
-                "nemo_dcr.refit", "nemo_dcr.cli")
+                "nemo_dcr.refit", "nemo_dcr.tools.cli")
 
 
 def test_importing_core_loads_no_framework(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nemo_dcr import checkpoint as ckpt
-from nemo_dcr.cli import main
+from nemo_dcr.tools.cli import main
 
 KEY = b"k" * 24
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dcr.cli import main
-from nemo_dcr.commands import check_layout, demo
+from nemo_dcr.tools.cli import main
+from nemo_dcr.tools.commands import check_layout, demo
 
 # Stand-in for torchrun: starts two "ranks" (each ignoring SIGTERM, as a rank stuck in a
 # collective may), writes their pids, and waits for them forever.

@@ -141,7 +141,7 @@ def test_dcr_decode_memory_is_a_small_constant_per_changed_element():
 
 def test_cli_apply_bounds_the_header_by_its_base(tmp_path, monkeypatch, capsys):
     from nemo_dcr.checkpoint import save_checkpoint
-    from nemo_dcr.cli import main
+    from nemo_dcr.tools.cli import main
 
     save_checkpoint({"w": torch.zeros(4, dtype=torch.bfloat16)}, tmp_path / "base.safetensors")
     (tmp_path / "d.ndcr").write_bytes(_tiny_same_records(20_000))

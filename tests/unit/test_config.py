@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dcr.config import ConfigError, DcrConfig, RecipeConfig, load_config, to_yaml
+from nemo_dcr.config import ConfigError, DcrConfig
+from nemo_dcr.tools.demo.recipe import RecipeConfig
+from nemo_dcr.tools.demo.recipe_load import load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ROOT / "configs" / "grpo_smollm2_cpu.yaml"
@@ -96,9 +98,12 @@ def test_every_field_has_a_docstring():
     import inspect
 
     from nemo_dcr.config import schema
+    from nemo_dcr.tools.demo import recipe
 
-    tree = ast.parse(inspect.getsource(schema))
-    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Config")]:
+    classes = [n for m in (schema, recipe) for n in ast.parse(inspect.getsource(m)).body
+               if isinstance(n, ast.ClassDef) and n.name.endswith("Config")]
+    assert {c.name for c in classes} >= {"DcrConfig", "RecipeConfig", "EngineConfig"}
+    for cls in classes:
         body = cls.body
         for i, node in enumerate(body):
             if isinstance(node, ast.AnnAssign):
@@ -120,9 +125,9 @@ def test_nemo_rl_recipe_snippet_turns_dcr_on(tmp_path):
 
     node = OmegaConf.load(ROOT / "configs" / "nemo_rl" / "grpo_math_1B_megatron_dcr.yaml")
     gen = node.policy.generation
-    assert gen.refit_transport == "nemo_dcr.adapters.nemo_rl:DcrCheckpointEngine" and not gen.colocated.enabled
+    assert gen.refit_transport == "nemo_dcr.integrations.nemo_rl:DcrCheckpointEngine" and not gen.colocated.enabled
     scoped = OmegaConf.to_container(gen.refit_cfg[gen.refit_transport])  # ${oc.env:...} left unresolved
-    from nemo_dcr.adapters.nemo_rl import DcrCheckpointEngine
+    from nemo_dcr.integrations.nemo_rl import DcrCheckpointEngine
 
     kwargs = {k: v for k, v in scoped.items() if k != "update_weights_bucket_memory_ratio"}
     assert {"url", "key_file"} <= set(kwargs)

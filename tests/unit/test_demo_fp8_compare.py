@@ -1,4 +1,4 @@
-"""The demo's dense comparison of an FP8 transformers engine (nemo_dcr/demo/hf_engine.py): the
+"""The demo's dense comparison of an FP8 transformers engine (nemo_dcr/tools/demo/hf_engine.py): the
 engine's FP8 bytes and scales against an independent re-quantization of a dense BF16 export.
 It must accept the engine that quantized that export and see one wrong byte or scale."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_dcr.config.schema import DcrConfig
-from nemo_dcr.refit.formats import fp8_plan
+from nemo_dcr.refit.fp8_mirror import fp8_plan
 from nemo_dcr.types import int_view
 
 transformers = pytest.importorskip("transformers")
@@ -28,7 +28,7 @@ def _engine_and_export():
 
 
 def test_the_engine_that_quantized_the_export_equals_it():
-    from nemo_dcr.demo.hf_engine import load_and_compare
+    from nemo_dcr.tools.demo.hf_engine import load_and_compare
 
     engine, dense, plan = _engine_and_export()
     assert len(plan.fp8) == 7 and all(engine.tensors[n].dtype == torch.float8_e4m3fn for n in plan.fp8)
@@ -38,7 +38,7 @@ def test_the_engine_that_quantized_the_export_equals_it():
 
 @pytest.mark.parametrize("which", ["fp8_byte", "scale", "kept_bf16"])
 def test_one_wrong_bit_is_seen(which):
-    from nemo_dcr.demo.hf_engine import load_and_compare
+    from nemo_dcr.tools.demo.hf_engine import load_and_compare
 
     engine, dense, plan = _engine_and_export()
     weight = next(iter(plan.fp8))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nemo_dcr.checkpoint import list_tensors, load_checkpoint
-from nemo_dcr.demo import task as rl_deltas
+from nemo_dcr.tools.demo import task as rl_deltas
 
 # SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152, tied
 EXPECTED_SHAPES = {
@@ -140,7 +140,7 @@ def test_pg_falls_back_to_lm_when_no_group_has_reward_variance(monkeypatch):
 
 
 def test_cli_registers_make_deltas():
-    from nemo_dcr.cli import build_parser
+    from nemo_dcr.tools.cli import build_parser
 
     args = build_parser("make-deltas").parse_args(
         ["make-deltas", "--steps", "3", "--out", "x", "--group-size", "4", "--objective", "lm"]

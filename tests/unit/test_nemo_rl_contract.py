@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from nemo_dcr.adapters.nemo_rl import SELECTOR, DcrCheckpointEngine
+from nemo_dcr.integrations.nemo_rl import SELECTOR, DcrCheckpointEngine
 from nemo_dcr.transport import MessageKind
 from nemo_dcr.transport.store import StoreTransport
 from nemo_dcr.types import int_view

@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import pytest
 
-from nemo_dcr.cli import main
+from nemo_dcr.tools.cli import main
 from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.layout import HF_CONFIGS, LayoutError, MegatronSpec, canonical_shapes, dims_from_hf_config, model_dims
-from nemo_dcr.plan import figures as F
-from nemo_dcr.plan.inputs import EngineLayout, Hardware, PlanSetup, TrainerLayout
-from nemo_dcr.plan.planner import make_plan, rank_shares
-from nemo_dcr.plan.presets import CPU_HOST, LOOPBACK
+from nemo_dcr.tools.planner import figures as F
+from nemo_dcr.tools.planner.inputs import EngineLayout, Hardware, PlanSetup, TrainerLayout
+from nemo_dcr.tools.planner.estimate import make_plan, rank_shares
+from nemo_dcr.tools.planner.presets import CPU_HOST, LOOPBACK
 from nemo_dcr.refit.routing import assign_owners
 
 SPECS = (MegatronSpec(), MegatronSpec(transformer_engine=True, moe_grouped_gemm=True))
@@ -188,7 +188,7 @@ def test_cli_refuses_bad_layouts_and_densities_naming_them():
 
 
 def test_validate_compares_against_the_run(tmp_path):
-    from nemo_dcr.plan.validate import plan_for_run, validate
+    from nemo_dcr.tools.planner.validate import plan_for_run, validate
 
     lines = [{"mode": "delta", "density_by_layer_type": {"mlp": 0.004, "attention": 0.005, "embeddings": 0.01,
                                                           "norms": 0.001}}]
@@ -213,7 +213,7 @@ def test_validate_compares_against_the_run(tmp_path):
 
 
 def test_calibration_document_round_trips(tmp_path):
-    from nemo_dcr.plan.calibrate import calibrate, write
+    from nemo_dcr.tools.planner.calibrate import calibrate, write
 
     doc = calibrate(None, elements=1 << 16)
     k = F.Kernels.from_dict(doc["kernels"])

@@ -17,7 +17,7 @@ from nemo_dcr import codec, quant
 from nemo_dcr.apply import InjectedFault, TensorEngine
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.refit import DeltaRefit, colocated_wiring
-from nemo_dcr.refit.formats import fp8_plan
+from nemo_dcr.refit.fp8_mirror import fp8_plan
 from nemo_dcr.transport import Envelope
 from nemo_dcr.types import SparseDelta, host_bits, int_view
 from nemo_dcr.verify.fp8_reference import fp8_mismatches, quantize_ref
@@ -280,7 +280,7 @@ def test_forced_resyncs_send_the_quantized_state():
 
 
 def test_fp8_weights_must_be_bf16_on_the_trainer():
-    from nemo_dcr.refit.formats import Fp8Mirror
+    from nemo_dcr.refit.fp8_mirror import Fp8Mirror
 
     with pytest.raises(quant.Fp8Error, match="quantizes bf16 weights"):
         Fp8Mirror(PLAN, {FP8[0]: ("fp32", SHAPES[FP8[0]])})

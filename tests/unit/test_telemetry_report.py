@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from nemo_dcr.cli import main
+from nemo_dcr.tools.cli import main
 from nemo_dcr.refit import RefitReport
 from nemo_dcr.telemetry import TelemetryWriter, read_steps, step_record
-from nemo_dcr.telemetry.report import markdown, totals, write_report
-from nemo_dcr.verify.report import VerifyReport
+from nemo_dcr.tools.run_report import markdown, totals, write_report
+from nemo_dcr.verify.compare import VerifyReport
 
 
 def _run(tmp_path, n=3):

@@ -84,12 +84,3 @@ def test_dist_transport_close_names_the_rank_that_never_closed(tmp_path):
     b.close(timeout=10)  # the late peer closes; both receivers end
     a._receiver.join(10)
     assert not a._receiver.is_alive() and not b._receiver.is_alive()
-
-
-def test_cuda_ipc_unavailable_on_cpu():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: covered by tests/gpu")
-    from nemo_dcr.transport.cuda_ipc import export_payload
-
-    with pytest.raises(TransportUnavailableError, match="CUDA"):
-        export_payload(b"x")

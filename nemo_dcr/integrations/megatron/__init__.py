@@ -1,13 +1,12 @@
-"""Megatron-Core integration: model building on CPU/GPU, rank topology, the trainer source, dense reference.
+"""Megatron-Core integration: the trainer source over a rank's model chunks, its topology and ranges.
 
-Importing this package registers the Megatron-Core trainer source with the refit path
-(:func:`nemo_dcr.refit.source.register_source`); megatron itself is imported only when used.
+:func:`source_from_model` is registered with the refit path as the ``megatron-core`` entry point
+of ``nemo_dcr.sources`` (``pyproject.toml``), so ``DeltaRefit.from_config(cfg, model_chunks)``
+accepts megatron-core chunks whichever module was imported first; megatron itself is imported
+only when used.  Building models on CPU (the shim, the fp32-master step) is scaffolding of the
+tools: :mod:`nemo_dcr.tools.megatron`.
 """
 
-from nemo_dcr.refit.source import register_source
-
 from .source import MegatronSource, source_from_model
-
-register_source("megatron-core", source_from_model)
 
 __all__ = ["MegatronSource", "source_from_model"]

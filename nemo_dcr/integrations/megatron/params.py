@@ -1,28 +1,19 @@
-"""Rank-aware helpers over a built GPTModel: global names, HF load, dense export, ranges.
+"""Rank-aware helpers over a built GPTModel: global names, replicas, capture ranges.
 
 ``chunks`` is this rank's list of model chunks (one per virtual pipeline stage), as
-returned by :func:`nemo_dcr.integrations.megatron.build.build_gpt_model`.
+returned by :func:`nemo_dcr.tools.megatron.build.build_gpt_model`.
 """
 
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from nemo_dcr.capture.ranges import split_range
-from nemo_dcr.integrations.megatron.build import rank_coords
-from nemo_dcr.integrations.megatron.convert import (
-    hf_to_megatron,
-    megatron_to_hf,
-    merge_shards,
-    shard_of,
-    tp_placement,
-)
+from nemo_dcr.integrations.megatron.topology import rank_coords, tp_placement
 from nemo_dcr.layout import ModelDims
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -85,23 +76,6 @@ def local_params(chunks: list[torch.nn.Module], dims: ModelDims) -> list[LocalPa
     return out
 
 
-@torch.no_grad()
-def load_hf(chunks: list[torch.nn.Module], hf: Mapping[str, torch.Tensor],
-            dims: ModelDims) -> int:
-    """Copy HF weights into this rank's shards; returns the number of params loaded."""
-    coords = rank_coords()
-    n = 0
-    for lp in local_params(chunks, dims):
-        full = hf_to_megatron(lp.global_name, hf, dims, coords["tp"])
-        size, rank, dim = tp_placement(lp.param, coords)
-        shard = shard_of(lp.global_name, full, size, rank, dim)
-        if tuple(shard.shape) != tuple(lp.param.shape):
-            raise ValueError(f"{lp.name}: HF shard {tuple(shard.shape)} != {tuple(lp.param.shape)}")
-        lp.param.copy_(shard.to(lp.param.dtype))
-        n += 1
-    return n
-
-
 def replica_group(lp: LocalParam, coords: Mapping[str, int]) -> tuple[int, int]:
     """(index, count) of this rank among the ranks holding bit-identical copies of ``lp``.
 
@@ -139,39 +113,4 @@ def capture_ranges(params: list[LocalParam], skip: set[str] = frozenset()
             continue
         idx, count = replica_group(lp, coords)
         out[lp.key] = split_range(lp.param.numel(), idx, count)
-    return out
-
-
-@torch.no_grad()
-def dense_export(chunks: list[torch.nn.Module], dims: ModelDims,
-                 dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """Gather every shard to rank ``dst`` and convert to HF tensors (the dense reference).
-
-    Only the first replica of each shard sends.  Returns the HF state dict on ``dst`` and
-    None elsewhere.  Collective: every rank must call it.
-    """
-    coords = rank_coords()
-    records = []
-    for lp in local_params(chunks, dims):
-        if dims.tie_word_embeddings and lp.global_name == "output_layer.weight":
-            continue
-        idx, _ = replica_group(lp, coords)
-        if idx:
-            continue
-        size, rank, dim = tp_placement(lp.param, coords)
-        records.append((lp.global_name, rank, dim, lp.param.detach().cpu().clone()))
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(records, gathered, dst=dst)
-    if dist.get_rank() != dst:
-        return None
-    shards = defaultdict(dict)
-    split_dim = {}
-    for recs in gathered:
-        for gname, rank, dim, t in recs:
-            shards[gname][rank] = t
-            split_dim[gname] = dim
-    out = {}
-    for gname, by_rank in shards.items():
-        full = merge_shards(gname, [by_rank[r] for r in sorted(by_rank)], split_dim[gname])
-        out.update(megatron_to_hf(gname, full, dims))
     return out

@@ -228,7 +228,7 @@ def source_from_model(model, *, vocab_size: int | None = None, first_stage_layer
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if not chunks or not all(type(unwrap(c)).__module__.startswith("megatron.") for c in chunks):
         return None
-    from .build import parallel_layout_from_state
+    from .topology import parallel_layout_from_state
     from .describe import dims_from_model, layer_spec
 
     dims = dims_from_model(list(chunks), vocab_size)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 from nemo_dcr.config.schema import DcrConfig
 
-SELECTOR = "nemo_dcr.adapters.nemo_rl:DcrCheckpointEngine"
+SELECTOR = "nemo_dcr.integrations.nemo_rl:DcrCheckpointEngine"
 """The ``policy.generation.refit_transport`` value that selects this plugin."""
 
 

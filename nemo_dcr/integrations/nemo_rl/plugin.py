@@ -1,6 +1,6 @@
 """NeMo-RL checkpoint-engine plugin: a thin adapter on the one refit path (docs/nemo_rl.md).
 
-Selected with ``policy.generation.refit_transport: "nemo_dcr.adapters.nemo_rl:DcrCheckpointEngine"``
+Selected with ``policy.generation.refit_transport: "nemo_dcr.integrations.nemo_rl:DcrCheckpointEngine"``
 (NVIDIA-NeMo/RL 7ea279ab, ``nemo_rl`` 0.6.0).  NeMo-RL's ``CheckpointEngineWeightSynchronizer``
 builds one engine in every policy worker and in every vLLM worker (all DP x TP ranks) with
 ``DcrCheckpointEngine(bucket_size=..., **refit_cfg[selector])``, calls ``prepare()`` on all,

@@ -20,3 +20,16 @@ def vllm_installed() -> bool:
 
     spec = importlib.util.find_spec("vllm")
     return spec is not None and spec.origin is not None
+
+
+def __getattr__(name: str):
+    """``VllmEngine`` (the driver-side engine) and ``DcrWorkerExtension``, imported on first use."""
+    if name == "VllmEngine":
+        from .engine import VllmEngine
+
+        return VllmEngine
+    if name == "DcrWorkerExtension":
+        from .worker import DcrWorkerExtension
+
+        return DcrWorkerExtension
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

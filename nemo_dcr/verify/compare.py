@@ -1,0 +1,90 @@
+"""Comparing the trainer's and the engine's per-tensor checksums (docs/refit.md, "Verification").
+
+Both sides sum ``h(canonical index, bits)`` over the elements they hold
+(:mod:`nemo_dcr.verify.checksum`): trainer ranks over their capture ranges, engine ranks over
+their shards; the per-tensor totals must agree.  :class:`ShardChecksums` keeps one rank's
+partial sums and updates them from canonical deltas (cost proportional to changes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from nemo_dcr.types import SparseDelta
+
+from .checksum import MASK64, hash_sum
+
+
+@dataclass(frozen=True)
+class ChecksumMismatch:
+    """One tensor whose two sides disagree."""
+
+    name: str
+    trainer: int | None
+    engine: int | None
+    where: str = ""
+    """Which engine rank, when one rank's copy was compared (empty: the sum over ranks)."""
+
+    def __str__(self) -> str:
+        def fmt(x):
+            return "missing" if x is None else f"{x:016x}"
+
+        at = f" ({self.where})" if self.where else ""
+        return f"{self.name}{at}: trainer {fmt(self.trainer)}, engine {fmt(self.engine)}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Result of one verification.
+
+    Attributes:
+        version: the version verified.
+        full: the engine side came from a full scan (else incremental values).
+        checked: tensors compared.
+        mismatches: disagreeing tensors, by name.
+    """
+
+    version: int
+    full: bool
+    checked: int
+    mismatches: tuple[ChecksumMismatch, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Both sides agree on every tensor."""
+        return not self.mismatches
+
+    def describe(self, limit: int = 8) -> str:
+        """Human-readable summary naming the first ``limit`` mismatching tensors."""
+        head = f"v{self.version} ({'full scan' if self.full else 'incremental'}): "
+        if self.ok:
+            return head + f"{self.checked} tensors agree"
+        names = "; ".join(str(m) for m in self.mismatches[:limit])
+        return head + f"{len(self.mismatches)} of {self.checked} tensors differ: {names}"
+
+
+def compare(trainer: Mapping[str, int], engine: Mapping[str, int], version: int, full: bool) -> VerifyReport:
+    """Compare per-tensor checksums of both sides (names on one side only are mismatches)."""
+    names = sorted(set(trainer) | set(engine))
+    bad = tuple(ChecksumMismatch(n, trainer.get(n), engine.get(n)) for n in names
+                if trainer.get(n) != engine.get(n))
+    return VerifyReport(version, full, len(names), bad)
+
+
+@dataclass
+class ShardChecksums:
+    """One rank's partial checksum of each canonical tensor (its own elements only)."""
+
+    sums: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, canonical_index: np.ndarray, bits: np.ndarray) -> None:
+        """Add elements held by this rank (a full scan of a shard, piece by piece)."""
+        self.sums[name] = (self.sums.get(name, 0) + hash_sum(canonical_index, bits)) & MASK64
+
+    def update(self, delta: SparseDelta) -> None:
+        """Replace ``delta.old_bits`` by ``delta.new_bits`` at its canonical positions."""
+        s = self.sums.get(delta.name, 0) - hash_sum(delta.positions, delta.old_bits)
+        self.sums[delta.name] = (s + hash_sum(delta.positions, delta.new_bits)) & MASK64
