@@ -14,8 +14,8 @@ other jobs on a shared machine slow the figures less than wall time would.
 * checksum: GB/s of the compiled checksum vs the numpy one;
 * apply: ``write_bits`` of the delta into a copy vs a dense copy of the model;
 * ``dcr`` encode/decode: M changed elements/s, compiled with kept indexes, compiled with one
-  pass over the base, vectorized numpy, group-by-group (one repetition); bytes per changed
-  element (all identical, checked); index build time and memory;
+  pass over the base, and the oracles of tests/oracles: vectorized numpy, group-by-group (one
+  repetition); bytes per changed element (all identical, checked); index build time and memory;
 * per refit: encode (kept indexes, base checksums known) + engine apply (decode, undo log,
   write, read-back check, index update) + sender commit (bits, checksums, index update), at the
   pair's density and on a random tenth of it, and the ratio of the two.
@@ -37,21 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nemo_dcr.apply import TensorEngine  # noqa: E402
 from nemo_dcr.checkpoint import load_checkpoint  # noqa: E402
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas  # noqa: E402
-from nemo_dcr.codec.dcr import (  # noqa: E402
-    DcrIndex,
-    decode_dcr,
-    decode_dcr_np,
-    decode_dcr_per_group,
-    encode_dcr,
-    encode_dcr_np,
-    encode_dcr_per_group,
-)
+from nemo_dcr.codec.dcr import DcrIndex, decode_dcr, encode_dcr  # noqa: E402
 from nemo_dcr.codec.dcr.jit_decode import onepass_hist  # noqa: E402
 from nemo_dcr.codec.dcr.jit_encode import onepass_ranks  # noqa: E402
 from nemo_dcr.kernels import write_bits  # noqa: E402
 from nemo_dcr.kernels.scan import changed_bits_np  # noqa: E402
 from nemo_dcr.types import DTYPES, SparseDelta, bits_view, spec_of  # noqa: E402
 from nemo_dcr.verify.checksum import tensor_checksum, tensor_checksum_np, updated_checksum  # noqa: E402
+from tests.oracles import decode_dcr_np, decode_dcr_per_group, encode_dcr_np, encode_dcr_per_group  # noqa: E402
 
 
 def best(fn, reps: int) -> float:

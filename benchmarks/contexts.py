@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_dcr.checkpoint import load_checkpoint  # noqa: E402
 from nemo_dcr.codec.dcr import encode_dcr  # noqa: E402
-from nemo_dcr.codec.dcr.keys import signed_steps  # noqa: E402
 from nemo_dcr.types import bits_view, spec_of  # noqa: E402
+from tests.oracles.keys import signed_steps  # noqa: E402
 
 RATE_EDGES = [0, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 

@@ -4,8 +4,9 @@ Usage: python benchmarks/gpu.py [--device cuda] [--elements N] [--json OUT]
 
 References are measured in the same run on the same device: a clone of a large tensor (memcpy
 bandwidth) for the scan, a dense copy of the tensor for the apply of a 1% delta.  Bit-exactness:
-the bytes encoded on the device equal the numpy codec's bytes on the host, and the tensor after
-decode + apply on the device equals an independent dense target (integer views).  Needs only
+the bytes encoded on the device (the torch oracle of the ``dcr`` coder, tests/oracles) equal the
+compiled coder's bytes on the host, and the tensor after decode + apply on the device equals an
+independent dense target (integer views).  Needs only
 torch, numpy and zstandard; prints a JSON summary at the end.
 """
 
@@ -21,13 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_dcr.codec.dcr import (
-    decode_dcr_torch,
-    encode_dcr,  # noqa: E402
-    encode_dcr_torch,
-)
+from nemo_dcr.codec.dcr import encode_dcr  # noqa: E402
 from nemo_dcr.kernels import scan_changes, write_bits  # noqa: E402
 from nemo_dcr.types import DTYPES, bits_view  # noqa: E402
+from tests.oracles import decode_dcr_torch, encode_dcr_torch  # noqa: E402
 
 
 def timed(fn, device, reps: int = 5) -> float:

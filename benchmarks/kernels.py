@@ -4,8 +4,8 @@ Usage: python benchmarks/kernels.py [RUN_DIR]   (RUN_DIR with step_0.. from ``ne
 without it a synthetic Adam-like bf16 step of the same shapes as a 135M model's largest tensor).
 
 - scan: MB/s of model compared (both tensors read) vs ``torch.equal`` and a memcpy of the same bytes;
-- dcr encode/decode: M changed elements/s, the compiled host codec (no kept index) vs the vectorized
-  numpy codec vs the group-by-group codec vs the torch kernels; the numpy codec's one pass over the
+- dcr encode/decode: M changed elements/s, the compiled coder (no kept index) vs the oracles of
+  tests/oracles (vectorized numpy, group-by-group, torch); the numpy oracle's one pass over the
   base tensor is reported separately (GB/s of model).  ``benchmarks/codec_speed.py`` has the kept
   index, the per-refit figures and compile times.
 - checksum: MB/s vs memcpy.
@@ -21,20 +21,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_dcr.codec.dcr import (  # noqa: E402
-    decode_dcr,
+from nemo_dcr.codec.dcr import decode_dcr, encode_dcr  # noqa: E402
+from nemo_dcr.kernels import scan_changes  # noqa: E402
+from nemo_dcr.types import bits_view, spec_of  # noqa: E402
+from nemo_dcr.verify.checksum import tensor_checksum  # noqa: E402
+from tests.oracles import (  # noqa: E402
     decode_dcr_np,
     decode_dcr_per_group,
     decode_dcr_torch,
-    encode_dcr,
     encode_dcr_np,
     encode_dcr_per_group,
     encode_dcr_torch,
 )
-from nemo_dcr.codec.dcr.index import encoder_sorted_pos_np  # noqa: E402
-from nemo_dcr.kernels import scan_changes  # noqa: E402
-from nemo_dcr.types import bits_view, spec_of  # noqa: E402
-from nemo_dcr.verify.checksum import tensor_checksum  # noqa: E402
+from tests.oracles.index import encoder_sorted_pos_np  # noqa: E402
 
 
 def best(fn, reps: int = 3) -> float:

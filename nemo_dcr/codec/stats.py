@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..types import DtypeSpec
-from .dcr.keys import fold_steps
+from .dcr.jit_bits import fold_steps
 
 # (layer type, pattern) checked in order against canonical names.
 LAYER_TYPES = (
@@ -76,7 +76,7 @@ def entropy_bits(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndar
     if m == 0:
         return 0.0, 0.0
     old = base_bits[positions]
-    u = fold_steps(old, new_bits, spec)
+    u = fold_steps(old, new_bits, spec.bits)
     alike = n * float(_h2(np.array(m / n))) + _empirical_bits(u)
     classes = spec.exponent(base_bits)
     sizes = np.bincount(classes, minlength=spec.n_exponents)

@@ -5,8 +5,8 @@ the first process after an install pays the compile time (tens of seconds on two
 processes starting together (torchrun ranks, an engine process) would each compile the same
 kernels at once; ``scripts/setup_env.sh`` runs this module after installing, so every later process
 loads machine code from the cache instead.  It runs the real entry points on tiny inputs of every
-wire dtype: a ``dcr`` round trip with and without a kept class index, the scan, the in-place
-writes and reads, and the checksums.
+wire dtype: a ``dcr`` round trip with and without a kept class index, the folded steps of the
+delta statistics, the scan, the in-place writes and reads, and the checksums.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..types import DTYPES, tensor_from_bits
 from ..verify.checksum import hash_sum, tensor_checksum, updated_checksum
 from .dcr import decode_dcr, encode_dcr
 from .dcr.class_index import DcrIndex
+from .dcr.jit_bits import fold_steps
 
 
 def _one_dtype(spec, rng: np.random.Generator) -> None:
@@ -35,6 +36,7 @@ def _one_dtype(spec, rng: np.random.Generator) -> None:
     body = encode_dcr(base, pos, new[pos], spec, index, base[pos])
     decode_dcr(body, base, spec, "warm", index, with_old=True)
     index.update(pos, base[pos], new[pos])
+    fold_steps(base[pos], new[pos], spec.bits)
     t = tensor_from_bits(base, spec, base.shape)
     scan_changes(tensor_from_bits(new, spec, new.shape), t)
     write_bits(t, pos, new[pos])

@@ -1,4 +1,5 @@
-"""Bit-exactness of the torch kernels on a CUDA device against the numpy codec on the host."""
+"""Bit-exactness on a CUDA device: the scan and in-place writes, and the torch oracle of the ``dcr``
+coder (tests/oracles) against the compiled coder on the host."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.codec.dcr import decode_dcr_torch, encode_dcr, encode_dcr_torch
+from nemo_dcr.codec.dcr import encode_dcr
 from nemo_dcr.kernels import scan_changes, write_bits
 from nemo_dcr.types import DTYPES, bits_view, spec_of
+from tests.oracles import decode_dcr_torch, encode_dcr_torch
 
 pytestmark = [
     pytest.mark.gpu,

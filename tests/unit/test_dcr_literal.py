@@ -1,7 +1,8 @@
 """Literal groups of the ``dcr`` coding (docs/wire_format.md section 4.4).
 
-Bodies are written bit by bit here from the spec text, not with the encoder, and decoded by all
-decoders (compiled with and without a kept index, vectorized numpy, group-by-group, torch).  Each MUST of a literal group gets its
+Bodies are written bit by bit here from the spec text, not with the encoder, and decoded by the
+compiled decoder (with and without a kept index) and the oracles of tests/oracles (vectorized
+numpy, group-by-group, torch).  Each MUST of a literal group gets its
 own malformed body.  The encoder side: weights much smaller than their update are coded as
 literals, smaller than as steps, and round-trip bit-exactly.
 """
@@ -12,18 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.codec.dcr import (
-    DcrIndex,
-    decode_dcr,
-    decode_dcr_np,
-    decode_dcr_per_group,
-    decode_dcr_torch,
-    encode_dcr,
-    encode_dcr_np,
-    encode_dcr_per_group,
-)
+from nemo_dcr.codec.dcr import DcrIndex, decode_dcr, encode_dcr
 from nemo_dcr.codec.errors import MalformedRecordError
 from nemo_dcr.types import bits_view, spec_of
+from tests.oracles import decode_dcr_np, decode_dcr_per_group, decode_dcr_torch, encode_dcr_np, encode_dcr_per_group
 
 SHIFT, EBITS, NBITS = 7, 8, 16  # bf16: 7 mantissa bits, 8 exponent bits
 
@@ -128,8 +121,8 @@ def test_encoder_codes_tiny_weights_as_literals_and_round_trips():
     assert body == encode_dcr_per_group(base, pos, new[pos], spec) == encode_dcr_np(base, pos, new[pos], spec)
     p2, n2 = decode_dcr(body, base, spec, "w")
     assert np.array_equal(p2, pos) and np.array_equal(n2, new[pos])
-    # the same tensors coded with steps only (literal groups switched off in the numpy encoder) are larger
-    import nemo_dcr.codec.dcr.encode as enc
+    # the same tensors coded with steps only (literal groups switched off in the numpy oracle) are larger
+    import tests.oracles.encode as enc
 
     saved = enc.literal_choice
     enc.literal_choice = lambda *a: np.zeros(len(a[0]), bool)

@@ -1,7 +1,7 @@
-"""The torch coder and the compiled host coder against the numpy codec on CPU: same bytes, same decode.
+"""The compiled coder and the torch oracle against the numpy oracle on CPU: same bytes, same decode.
 
-The vectorized numpy path is the reference (its bytes are pinned by the golden tests); the
-group-by-group encoder/decoder kept in the codec is a second, independent reference.
+The vectorized numpy oracle is the reference (its bytes are pinned by the golden tests); the
+group-by-group oracle is a second, independent one (all in tests/oracles).
 """
 
 from __future__ import annotations
@@ -10,18 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.codec.dcr import (
-    decode_dcr,
+from nemo_dcr.codec.dcr import decode_dcr, encode_dcr
+from nemo_dcr.kernels import scan_changes, write_bits
+from nemo_dcr.types import DTYPES, bits_view, tensor_from_bits
+from tests.oracles import (
     decode_dcr_np,
     decode_dcr_per_group,
     decode_dcr_torch,
-    encode_dcr,
     encode_dcr_np,
     encode_dcr_per_group,
     encode_dcr_torch,
 )
-from nemo_dcr.kernels import scan_changes, write_bits
-from nemo_dcr.types import DTYPES, bits_view, tensor_from_bits
 
 
 def _case(rng, spec, n, density, mode):

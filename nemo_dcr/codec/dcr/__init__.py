@@ -1,22 +1,21 @@
 """The ``dcr`` record coding (docs/wire_format.md section 4.4), conditioned on what the receiver holds.
 
-Four implementations, byte-identical:
+Each element's *class* is the exponent of its base value, which the receiver already holds; the
+encoder groups neighbouring classes into *groups* (runs of exponents), and within a group every
+element has a rank (its place among the group's elements by class, then flat index).  Per group
+the coder writes three sparse sets and one integer list, all as Rice codes: which ranks changed
+(or, when most did, which did not), which changes step towards zero, and which step magnitudes
+exceed the group's minimum and by how much; or, for a *literal group*, the new bits directly.
+Adam moves weights by about ``lr`` per step, so how likely an element is to change, and by how
+many ULPs, are both set by its exponent; conditioning on the group captures most of that.
 
-* :func:`encode_dcr` / :func:`decode_dcr`: the host coder, compiled kernels; with a kept
-  :class:`DcrIndex` (held per tensor in a :class:`DcrIndexes`) its cost follows the changes,
-  without one it makes one pass over the base.
-* :func:`encode_dcr_np` / :func:`decode_dcr_np`: the vectorized numpy coder (test reference).
-* :func:`encode_dcr_torch` / :func:`decode_dcr_torch`: the same vectorized coder on torch
-  tensors (any device; the GPU path).
-* :func:`encode_dcr_per_group` / :func:`decode_dcr_per_group`: the group-by-group reference.
+One coder: :func:`encode_dcr` / :func:`decode_dcr`, compiled kernels on host arrays; with a kept
+:class:`DcrIndex` (held per tensor in a :class:`DcrIndexes`) its cost follows the changes, without
+one it makes one pass over the base.  Its independent oracles (a vectorized numpy coder, the same
+on torch tensors, a group-by-group coder) live in the tests (``tests/oracles``).
 """
 
 from .class_index import DcrIndex, DcrIndexes, StaleIndexError
-from .decode import decode_dcr_np
-from .encode import encode_dcr_np
 from .jit_codec import decode_dcr, encode_dcr
-from .per_group import decode_dcr_per_group, encode_dcr_per_group
-from .torch_codec import decode_dcr_torch, encode_dcr_torch
 
-__all__ = ["DcrIndex", "DcrIndexes", "StaleIndexError", "decode_dcr", "decode_dcr_np", "decode_dcr_per_group",
-           "decode_dcr_torch", "encode_dcr", "encode_dcr_np", "encode_dcr_per_group", "encode_dcr_torch"]
+__all__ = ["DcrIndex", "DcrIndexes", "StaleIndexError", "decode_dcr", "encode_dcr"]

@@ -3,8 +3,6 @@ parameters, the two bit streams, monotone keys.  Every integer is int64 (values 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ...kernels.jit import njit
@@ -32,20 +30,40 @@ def set_rice_k(m, size):
 
 
 @njit
-def best_k(vals, lo, hi, count, exact):
-    """``k`` minimizing the Rice bits of ``count`` values as :func:`nemo_dcr.codec.bitio.best_rice_k`
-    picks it: ``vals[lo:hi]`` holds them and zeros for the rest of its entries (zeros add nothing to
-    the sums); -1 when their sum reaches ``exact`` (the float mean would not be exact)."""
+def ceil_mean(vals, lo, hi, count):
+    """``⌈Σ vals[lo:hi] / count⌉``, exact for any sum of values below :data:`LIMIT` (``count`` of
+    them non-zero at most): the sum is kept in two words, ``hi_w · LIMIT + lo_w``."""
+    hi_w, lo_w = 0, 0
+    for i in range(lo, hi):
+        lo_w += vals[i]
+        if lo_w >= LIMIT:
+            lo_w -= LIMIT
+            hi_w += 1
+    if hi_w == 0:
+        return (lo_w + count - 1) // count
+    q, r = 0, hi_w  # long division, one bit of lo_w at a time (hi_w < count: no quotient above 2**62)
+    for b in range(61, -1, -1):
+        r, q = 2 * r + ((lo_w >> b) & 1), 2 * q
+        if r >= count:
+            r, q = r - count, q + 1
+    return q + 1 if r else q
+
+
+@njit
+def best_k(vals, lo, hi, count):
+    """Rice ``k`` of ``count`` values (``vals[lo:hi]`` holds them and zeros for the rest of its
+    entries): the lowest ``k`` in ``[g - 8, g + 1]`` with the fewest bits, ``g = ⌈log2(mean + 1)⌉``
+    (computed exactly, as ``bitlen(⌈mean⌉)``).
+
+    The bits are convex in ``k``, rise after ``g`` and exceed those at ``g`` below ``g - 3``, so the
+    result is the lowest ``k`` with the fewest bits of all, whatever rounding a float mean would
+    give ``g`` (tests/unit/test_dcr_compiled.py checks sums far beyond 2**53 against an oracle).
+    """
     if count == 0:
         return 0
-    total = 0
-    for i in range(lo, hi):
-        total += vals[i]
-        if total >= exact:
-            return -1
-    guess = min(max(math.ceil(math.log2(total / count + 1.0)), 0), MAX_K)
+    guess = min(bitlen(ceil_mean(vals, lo, hi, count)), MAX_K)
     kmin, kmax = max(0, guess - 8), min(MAX_K, guess + 1)
-    sums = np.zeros(10, np.int64)
+    sums = np.zeros(10, np.int64)  # each below count * 2**8: every k here is at least g - 8
     for i in range(lo, hi):
         for j in range(kmax - kmin + 1):
             sums[j] += vals[i] >> (kmin + j)
@@ -179,6 +197,17 @@ def signed_step(old, new, ones, sign):
     """Magnitude-direction ULP step from ``old`` to ``new`` bits."""
     s = key_of(new, ones, sign) - key_of(old, ones, sign)
     return -s if old & sign else s
+
+
+@njit
+def fold_steps(old, new, nbits):
+    """Step of each change folded to ``u = 2(|d| - 1) + (d < 0)`` (uint64): one symbol per change."""
+    ones, sign = (1 << nbits) - 1, 1 << (nbits - 1)
+    out = np.empty(old.size, np.uint64)
+    for i in range(old.size):
+        d = signed_step(np.int64(old[i]) & ones, np.int64(new[i]) & ones, ones, sign)
+        out[i] = 2 * (abs(d) - 1) + (1 if d < 0 else 0)
+    return out
 
 
 @njit

@@ -1,5 +1,5 @@
-"""The host ``dcr`` coder: compiled kernels (:mod:`.jit_encode`, :mod:`.jit_decode`) behind the
-signatures of the numpy coder, with an optional kept :class:`.class_index.DcrIndex`."""
+"""The ``dcr`` coder: compiled kernels (:mod:`.jit_encode`, :mod:`.jit_decode`) on host arrays,
+with an optional kept :class:`.class_index.DcrIndex`."""
 
 from __future__ import annotations
 
@@ -8,14 +8,9 @@ import numpy as np
 from ...types import DtypeSpec
 from ..errors import MalformedRecordError
 from .class_index import DcrIndex, StaleIndexError
-from .decode import decode_dcr_np
-from .encode import encode_dcr_np
-from .groups import MIN_GROUP_CHANGES
-from .jit_decode import ERR, finish, onepass_hist, onepass_select, parse, position_order
-from .jit_encode import encode_kernel, onepass_ranks
+from .jit_decode import describe, finish, onepass_hist, onepass_select, parse, position_order
+from .jit_encode import MIN_GROUP_CHANGES, encode_kernel, onepass_ranks
 from .jit_index import select
-
-EXACT = 1 << 53  # sums of Rice values from here on have an inexact float mean: numpy decides k
 
 
 def class_ranks(base_bits: np.ndarray, positions: np.ndarray, old_bits: np.ndarray, spec: DtypeSpec,
@@ -46,11 +41,9 @@ def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarra
         raise ValueError(f"dcr positions must increase inside [0, {base_bits.size})")
     old = np.ascontiguousarray(base_bits[positions] if old_bits is None else old_bits)
     s, hist = class_ranks(base_bits, positions, old, spec, index)
-    body = encode_kernel(old, np.ascontiguousarray(new_bits), s, hist, spec.bits, spec.exp_shift, spec.exp_bits,
-                         MIN_GROUP_CHANGES, EXACT)
-    if body.size == 0:
-        return encode_dcr_np(base_bits, positions, new_bits, spec)
-    return body.tobytes()
+    return encode_kernel(old, np.ascontiguousarray(new_bits), s, hist, spec.bits, spec.exp_shift, spec.exp_bits,
+                         MIN_GROUP_CHANGES).tobytes()
+
 
 def _check_index(index: DcrIndex, base_bits: np.ndarray, spec: DtypeSpec) -> None:
     if index.n != base_bits.size or index.spec != spec:
@@ -58,10 +51,12 @@ def _check_index(index: DcrIndex, base_bits: np.ndarray, spec: DtypeSpec) -> Non
                               f"{base_bits.size} {spec.name} elements")
 
 
-def _refuse(code: int, body, base_bits: np.ndarray, spec: DtypeSpec, name: str):
-    """A refused body: the numpy decoder names the broken rule; this raises in any case."""
-    decode_dcr_np(body, base_bits, spec, name)
-    raise MalformedRecordError(f"dcr body refused: {ERR[code]}", name)
+def _refused(refused: int, name: str, pos: np.ndarray | None = None) -> MalformedRecordError:
+    """The error of a kernel's refusal: the rule of section 4.4 broken and the group (or, with the
+    changes' ``pos``, the position) where."""
+    rule, where = describe(refused)
+    at = "" if where < 0 else f"group {where}: " if pos is None else f"change at position {int(pos[where])}: "
+    return MalformedRecordError(f"dcr body (wire format 4.4): {at}{rule}", name)
 
 
 def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str,
@@ -81,17 +76,17 @@ def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str,
     if index is not None:
         _check_index(index, base_bits, spec)
     hist = index.hist if index is not None else onepass_hist(base_bits, shift, emask)
-    cls, kk, val, eref, code = parse(raw, hist, spec.bits, shift, spec.exp_bits)
-    if code:
-        _refuse(code, body, base_bits, spec, name)
+    cls, kk, val, eref, refused = parse(raw, hist, spec.bits, shift, spec.exp_bits)
+    if refused:
+        raise _refused(refused, name)
     # the selects write each flat index over its rank: no array of the change count is born here
     pos = select(cls, kk, *index.tables()) if index is not None else \
         onepass_select(base_bits, shift, emask, cls, kk)
     del cls, kk
-    new, old, code = finish(base_bits, pos, val, eref, spec.bits, shift, spec.exp_bits)
+    new, old, refused = finish(base_bits, pos, val, eref, spec.bits, shift, spec.exp_bits)
     del val, eref
-    if code:
-        _refuse(code, body, base_bits, spec, name)
+    if refused:
+        raise _refused(refused, name, pos)
     perm = position_order(pos, base_bits.size, np.empty(pos.size, np.int32 if pos.size < 1 << 31 else np.int64))
     pos = pos[perm]
     new, old = new[perm], old[perm]

@@ -1,5 +1,5 @@
-"""Compiled ``dcr`` decoder (docs/wire_format.md section 4.4): the same results as the numpy
-decoder (:mod:`.decode`) and the group-by-group reference, every rule checked, nothing written.
+"""Compiled ``dcr`` decoder (docs/wire_format.md section 4.4): every rule checked, nothing written
+(the same results as the oracles of the tests, tests/oracles).
 
 Stages: :func:`parse` reads the group table and every Rice code in one sweep and gives each
 change its (class, rank) place and its step or literal value; a select stage maps places to
@@ -7,8 +7,8 @@ flat indices (a kept :class:`~nemo_dcr.codec.dcr.class_index.DcrIndex`, or
 :func:`onepass_select` over the base); :func:`finish` rebuilds new bits from the old ones and
 :func:`position_order` sorts by position (two counting-sort passes).  Arrays are sized to keep
 the peak memory a small constant per change (docs/performance.md).  A refusal comes back as a
-non-zero code (``ERR``); the caller turns it into a
-:class:`~nemo_dcr.codec.errors.MalformedRecordError`.
+non-zero int (:func:`refusal`): the rule broken, an index of :data:`ERR`, and where; the caller
+turns it into a :class:`~nemo_dcr.codec.errors.MalformedRecordError` (:func:`describe`).
 """
 
 from __future__ import annotations
@@ -19,21 +19,50 @@ from ...kernels.jit import njit
 from . import jit_index as K
 from .jit_bits import LIMIT, MAX_K, apply_step, get_bits, get_unary, get_varint, set_rice_k
 
-ERR = ("", "truncated or overlong varint", "group table out of range", "group count over its set",
-       "literal group field out of range", "sign/magnitude counts or steps out of range",
-       "bit streams do not fill the body", "non-zero padding after the bit streams",
-       "unary stream does not hold the codes the table needs", "remainder stream length does not match",
-       "Rice quotient overflows 64 bits", "Rice value beyond 2**62", "gap or rank beyond its set",
-       "step beyond the key space", "literal exponent outside its field", "literal equals the old bits")
+ERR = ("",
+       "truncated field (a varint or a byte), or a varint longer than 10 bytes",
+       "group table: lo or n_groups outside the exponent field (lo < 2^exp_bits, 1 <= n_groups <= 2^exp_bits)",
+       "group table: a width below 1, or lo + sum of widths over 2^exp_bits",
+       "n changes over the group's size",
+       "literal reference exponent e_ref outside the exponent field",
+       "literal Rice parameter too large (k_lit + exp_shift + 1 over 63)",
+       "sign/magnitude counts exceed the group's n changes (n_neg or n_nz over n, n_neg not n + 1)",
+       "m_off puts steps beyond the key space (m_off + 1 >= 2^bits)",
+       "Rice parameter k_val over 63",
+       "bit streams do not fill the body (the bytes after the stream lengths hold them, padded)",
+       "non-zero padding after the bit streams",
+       "unary stream does not hold exactly the codes the group table needs",
+       "remainder stream length does not match the group table (sum of count * k)",
+       "Rice quotient overflows 64 bits",
+       "Rice value beyond 2**62",
+       "gap or rank beyond its set",
+       "step beyond the key space (|d| >= 2^bits)",
+       "literal exponent outside its field",
+       "literal equals the old bits (not a change)")
+"""Rules of section 4.4 a body can break, by code; each kernel check returns its code by name."""
+(VARINT, LO_GROUPS, WIDTHS, N_SIZE, E_REF, K_LIT, COUNTS, M_OFF, K_VAL, FILL, PADDING, UNARY, R_LEN, QUOTIENT,
+ VALUE, GAP, STEP, LIT_EXP, LIT_SAME) = range(1, len(ERR))
+WHERE = 5  # a refusal: code | (1 + index of the group or change it concerns, 0 for none) << WHERE
 # group table columns
 N, NNEG, MOFF, NNZ, KVAL, LIT, EREF, KITEM = range(8)
 
 
 @njit
 def _field(body, at):
-    """Next varint: ``(value, next offset, code)`` (code 1: truncated or over 10 bytes)."""
+    """Next varint: ``(value, next offset, code)``."""
     v, nxt = get_varint(body, at, body.size)
-    return (0, at, 1) if nxt < 0 else (v, nxt, 0)
+    return (0, at, VARINT) if nxt < 0 else (v, nxt, 0)
+
+
+@njit
+def refusal(code, where):
+    """A refusal of rule ``code`` at group or change ``where`` (-1: the body as a whole)."""
+    return code | ((where + 1) << WHERE)
+
+
+def describe(refused: int) -> tuple[str, int]:
+    """The rule a :func:`refusal` names (its text in :data:`ERR`) and where (-1: nowhere)."""
+    return ERR[refused & ((1 << WHERE) - 1)], (refused >> WHERE) - 1
 
 
 @njit
@@ -41,7 +70,7 @@ def _group_fields(body, at, size, tab, g, nbits, mb, E):
     """One group's fields into ``tab[g]``; returns ``(at, code)``."""
     n, at, e = _field(body, at)
     if e or n > size:
-        return at, e or 3
+        return at, e or N_SIZE
     tab[g, N] = n
     if n == 0:
         return at, 0
@@ -53,10 +82,12 @@ def _group_fields(body, at, size, tab, g, nbits, mb, E):
         if e:
             return at, e
         if at >= body.size:
-            return at, 1
+            return at, VARINT
         klit, at = np.int64(body[at]), at + 1
-        if eref >= E or klit + mb + 1 > MAX_K:
-            return at, 4
+        if eref >= E:
+            return at, E_REF
+        if klit + mb + 1 > MAX_K:
+            return at, K_LIT
         tab[g, LIT], tab[g, EREF], tab[g, KITEM] = 1, eref, klit + mb + 1
         return at, 0
     moff, at, e = _field(body, at)
@@ -65,28 +96,30 @@ def _group_fields(body, at, size, tab, g, nbits, mb, E):
     nnz, at, e = _field(body, at)
     if e:
         return at, e
-    if nneg > n or nnz > n or moff + 1 >= (1 << nbits):
-        return at, 5
+    if nneg > n or nnz > n:
+        return at, COUNTS
+    if moff + 1 >= (1 << nbits):
+        return at, M_OFF
     tab[g, NNEG], tab[g, MOFF], tab[g, NNZ] = nneg, moff, nnz
     if nnz:
         if at >= body.size:
-            return at, 1
+            return at, VARINT
         tab[g, KVAL], at = np.int64(body[at]), at + 1
         if tab[g, KVAL] > MAX_K:
-            return at, 5
+            return at, K_VAL
     return at, 0
 
 
 @njit
 def _table(body, hist, nbits, mb, E):
-    """``(lo, bounds, starts, tab, at, code)``: group range, class-order starts, fields."""
+    """``(lo, bounds, starts, tab, at, refused)``: group range, class-order starts, fields."""
     empty, none = np.zeros((0, 8), np.int64), np.zeros(1, np.int64)
     lo, at, e = _field(body, 0)
     if e:
         return 0, none, none, empty, at, e
     G, at, e = _field(body, at)
     if e or lo >= E or G < 1 or G > E:
-        return 0, none, none, empty, at, e or 2
+        return 0, none, none, empty, at, e or LO_GROUPS
     bounds = np.zeros(G + 1, np.int64)
     bounds[0] = lo
     for g in range(G):
@@ -94,7 +127,7 @@ def _table(body, hist, nbits, mb, E):
         if e:
             return 0, bounds, bounds, empty, at, e
         if w < 1 or w > E or bounds[g] + w > E:
-            return 0, bounds, bounds, empty, at, 2
+            return 0, bounds, bounds, empty, at, WIDTHS
         bounds[g + 1] = bounds[g] + w
     first = np.zeros(E + 1, np.int64)
     first[1:] = np.cumsum(hist)
@@ -103,7 +136,7 @@ def _table(body, hist, nbits, mb, E):
     for g in range(G):
         at, e = _group_fields(body, at, starts[g + 1] - starts[g], tab, g, nbits, mb, E)
         if e:
-            return lo, bounds, starts, tab, at, e
+            return lo, bounds, starts, tab, at, refusal(e, g)
     return lo, bounds, starts, tab, at, 0
 
 
@@ -133,13 +166,13 @@ def _code(data, rd, q_len, k):
     """Next Rice value with parameter ``k``: ``(value, code)``; reader state ``rd = [q bit, r bit]``."""
     q, nxt = get_unary(data, rd[0], q_len)
     if nxt < 0:
-        return 0, 8
+        return 0, UNARY
     rd[0] = nxt
     if q >> max(0, 62 - k):
-        return 0, 10
+        return 0, QUOTIENT
     v = (q << k) | get_bits(data, rd[1], k)
     rd[1] += k
-    return (0, 11) if v >= LIMIT else (v, 0)
+    return (0, VALUE) if v >= LIMIT else (v, 0)
 
 
 @njit
@@ -159,7 +192,7 @@ def _read_set(data, rd, q_len, cnt, uni, out, o, scratch):
         if e:
             return e
         if v >= uni or prev + v + 1 >= uni:
-            return 12
+            return GAP
         prev += v + 1
         dst[at + j] = prev
     if not side:
@@ -202,7 +235,7 @@ def _group(data, rd, q_len, tab, g, size, gs, rank, val, eref, nbits, sc):
         if e:
             return e
         if v + moff + 2 >= (1 << nbits):
-            return 13
+            return STEP
         val[gs + nz[j]] += v + 1
     for j in range(tab[g, NNEG]):
         val[gs + neg[j]] = -val[gs + neg[j]]
@@ -230,8 +263,8 @@ def _places(bounds, starts, hist, tab, rank):
 @njit
 def parse(body, hist, nbits, mb, exp_bits):
     """Every change of a body in (class, rank) order: ``(cls, rank in class, value, e_ref or -1,
-    code)``; value is the signed step, or the literal value where ``e_ref >= 0`` (class and e_ref
-    as int16: 2 bytes per change)."""
+    refused)``; value is the signed step, or the literal value where ``e_ref >= 0`` (class and e_ref
+    as int16: 2 bytes per change); ``refused`` a :func:`refusal` naming a group, or 0."""
     E = 1 << exp_bits
     z, z16 = np.zeros(0, np.int64), np.zeros(0, np.int16)
     lo, bounds, starts, tab, at, e = _table(body, hist, nbits, mb, E)
@@ -240,17 +273,17 @@ def parse(body, hist, nbits, mb, exp_bits):
     q_len, at, e = _field(body, at)
     r_len, at, e2 = _field(body, at) if not e else (0, at, e)
     if e or e2:
-        return z16, z, z, z16, 1
+        return z16, z, z, z16, VARINT
     data = body[at:]
     if (q_len + r_len + 7) // 8 != data.size:
-        return z16, z, z, z16, 6
+        return z16, z, z, z16, FILL
     for bit in range(q_len + r_len, 8 * data.size):
         if (data[bit >> 3] >> (7 - (bit & 7))) & 1:
-            return z16, z, z, z16, 7
+            return z16, z, z, z16, PADDING
     sizes = starts[1:] - starts[:-1]
     codes, rbits = _plan(tab, sizes)
     if rbits != r_len:
-        return z16, z, z, z16, 9
+        return z16, z, z, z16, R_LEN
     m, big = tab[:, N].sum(), tab[:, N].max() + 1
     rank, val, eref = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int16)
     sc = (np.empty(big, np.int64), np.empty(big, np.int64), np.empty(big, np.int64))  # one group's sets
@@ -259,10 +292,10 @@ def parse(body, hist, nbits, mb, exp_bits):
     for g in range(tab.shape[0]):
         e = _group(data, rd, q_len, tab, g, sizes[g], gs, rank, val, eref, nbits, sc)
         if e:
-            return z16, z, z, z16, e
+            return z16, z, z, z16, refusal(e, g)
         gs += tab[g, N]
     if rd[0] != q_len:
-        return z16, z, z, z16, 8
+        return z16, z, z, z16, UNARY
     return _places(bounds, starts, hist, tab, rank), rank, val, eref, 0
 
 
@@ -336,7 +369,7 @@ def position_order(pos, n, perm):
 @njit
 def finish(base, pos, val, eref, nbits, mb, exp_bits):
     """Old and new bits at each ``pos`` (steps applied, literals checked), in the order of
-    ``pos``: ``(new, old, code)``."""
+    ``pos``: ``(new, old, refused)``, ``refused`` a :func:`refusal` naming a change, or 0."""
     ones, sign, E = (1 << nbits) - 1, 1 << (nbits - 1), 1 << exp_bits
     m = pos.size
     new, old = np.empty(m, base.dtype), np.empty(m, base.dtype)
@@ -349,9 +382,9 @@ def finish(base, pos, val, eref, nbits, mb, exp_bits):
             zz = v >> (mb + 1)
             e = np.int64(eref[i]) + ((zz >> 1) ^ -(zz & 1))
             if e < 0 or e >= E:
-                return new, old, 14
+                return new, old, refusal(LIT_EXP, i)
             nv = (((v >> mb) & 1) << (nbits - 1)) | (e << mb) | (v & ((1 << mb) - 1))
             if nv == o:
-                return new, old, 15
+                return new, old, refusal(LIT_SAME, i)
         new[i], old[i] = nv, o
     return new, old, 0

@@ -1,5 +1,5 @@
-"""Compiled ``dcr`` encoder (docs/wire_format.md section 4.4), byte-identical to the vectorized
-numpy encoder (:mod:`.encode`) and the group-by-group reference (:mod:`.per_group`).
+"""Compiled ``dcr`` encoder (docs/wire_format.md section 4.4), byte-identical to the oracles of
+the tests (tests/oracles: a vectorized numpy coder and a group-by-group one).
 
 Input: the changes in position order with their (class, index)-order positions ``s`` (from a
 kept :class:`~nemo_dcr.codec.dcr.class_index.DcrIndex` or :func:`onepass_ranks`) and the class
@@ -14,6 +14,8 @@ import numpy as np
 from ...kernels.jit import njit
 from .jit_bits import best_k, merge_r, put_code, put_varint, set_rice_k, signed_step, varint_len
 
+# a group closes once it holds this many changes (measured: merging exponents costs more than the table saves)
+MIN_GROUP_CHANGES = 1
 # per-group statistics, columns of ``st``
 N, NNEG, MOFF, NNZ, KVAL, EREF, KLIT, LIT, QB, RB = range(10)
 
@@ -53,7 +55,8 @@ def onepass_ranks(bits, positions, shift, emask, out):
 
 @njit
 def _groups(ccount, min_group):
-    """Greedy groups of :func:`nemo_dcr.codec.dcr.groups.groups_from_counts`: ``(lo, widths)``."""
+    """Greedy groups: from the lowest class holding a change, a group closes once it holds
+    ``min_group`` changes; a short tail joins the last group.  ``(lo, widths)``."""
     nz = np.flatnonzero(ccount)
     lo, hi = nz[0], nz[-1]
     widths = np.zeros(hi - lo + 1, np.int64)
@@ -135,9 +138,9 @@ def _values_bits(vals, flags, gs, n, k, emit, out, qoff, st, rbuf):
 
 
 @njit
-def _steps(dd, gs, n, negf, nzf, extra, exact):
+def _steps(dd, gs, n, negf, nzf, extra):
     """Sign and magnitude fields of one group: ``(n_neg, m_off, n_nz, k_val)``; flags and extras
-    (zero where the flag is off) filled in place (``k_val`` -1 when its mean would not be exact)."""
+    (zero where the flag is off) filled in place."""
     m_off = abs(dd[gs]) - 1
     for i in range(gs, gs + n):
         m_off = min(m_off, abs(dd[i]) - 1)
@@ -148,11 +151,11 @@ def _steps(dd, gs, n, negf, nzf, extra, exact):
         nzf[i] = abs(dd[i]) - 1 > m_off
         extra[i] = abs(dd[i]) - 2 - m_off if nzf[i] else 0
         n_nz += nzf[i]
-    return n_neg, m_off, n_nz, best_k(extra, gs, gs + n, n_nz, exact)
+    return n_neg, m_off, n_nz, best_k(extra, gs, gs + n, n_nz)
 
 
 @njit
-def _literals(nw, gs, n, litv, ehist, mb, nbits, exact):
+def _literals(nw, gs, n, litv, ehist, mb, nbits):
     """Literal fields of one group: ``(e_ref, k_lit)``; the literal values into ``litv`` (first
     their zigzag exponent offsets, which fix ``k_lit``)."""
     emask = ehist.size - 1
@@ -163,20 +166,18 @@ def _literals(nw, gs, n, litv, ehist, mb, nbits, exact):
     for i in range(gs, gs + n):
         x = ((nw[i] >> mb) & emask) - e_ref
         litv[i] = (x << 1) ^ (x >> 63)
-    k_lit = best_k(litv, gs, gs + n, n, exact)
+    k_lit = best_k(litv, gs, gs + n, n)
     for i in range(gs, gs + n):
         litv[i] = (litv[i] << (mb + 1)) | ((nw[i] >> (nbits - 1)) << mb) | (nw[i] & ((1 << mb) - 1))
     return e_ref, k_lit
 
 
 @njit
-def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits, exact):
+def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits):
     """Pass A for group ``g`` (changes ``gs .. gs + n`` in rank order): every table field, the
-    steps-or-literals choice and the group's Q and R bits.  False when a mean is inexact."""
+    steps-or-literals choice and the group's Q and R bits."""
     negf, nzf, extra, litv, ehist, none, out, st, rbuf = work
-    n_neg, m_off, n_nz, k_val = _steps(dd, gs, n, negf, nzf, extra, exact)
-    if k_val < 0:
-        return False
+    n_neg, m_off, n_nz, k_val = _steps(dd, gs, n, negf, nzf, extra)
     q1, r1 = _set_bits(negf, gs, n, False, out, 0, st, rbuf)
     q2, r2 = _set_bits(nzf, gs, n, False, out, 0, st, rbuf)
     q3 = _values_bits(extra, nzf, gs, n, k_val, False, out, 0, st, rbuf)
@@ -185,9 +186,7 @@ def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits, exact):
     e_ref, k_lit, ql, lit = 0, 0, 0, False
     kl = mb + 1
     if n * (mb + 2) + 8 * (varint_len(n + 1) + 2) < step:  # literals could be smaller: cost them exactly
-        e_ref, k_lit = _literals(nw, gs, n, litv, ehist, mb, nbits, exact)
-        if k_lit < 0:
-            return False
+        e_ref, k_lit = _literals(nw, gs, n, litv, ehist, mb, nbits)
         kl += k_lit
         ql = _values_bits(litv, none, gs, n, kl, False, out, 0, st, rbuf)
         lit = ql + n * kl + 8 * (varint_len(n + 1) + varint_len(e_ref) + 1) < step
@@ -196,7 +195,6 @@ def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits, exact):
     rb = rr + (n * kl if lit else r1 + r2 + n_nz * k_val)
     stats[g, N], stats[g, NNEG], stats[g, MOFF], stats[g, NNZ], stats[g, KVAL] = n, n_neg, m_off, n_nz, k_val
     stats[g, EREF], stats[g, KLIT], stats[g, LIT], stats[g, QB], stats[g, RB] = e_ref, k_lit, lit, qb, rb
-    return True
 
 
 @njit
@@ -263,10 +261,9 @@ def _emit(G, gstart, sizes, rank, stats, work, qoff, mb):
 
 
 @njit
-def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group, exact):
+def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group):
     """Body of a ``dcr`` record as uint8 from the changes' old and new bits and class-order
-    positions ``s``; an empty array when a Rice mean would be inexact (the caller then uses the
-    numpy encoder, whose float mean decides those cases)."""
+    positions ``s``."""
     m, emask = old_bits.size, (1 << exp_bits) - 1
     ccount, rank, dd, nw = _sorted_changes(old_bits, new_bits, s, nbits, mb, emask)
     lo, widths = _groups(ccount, min_group)
@@ -288,9 +285,7 @@ def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group, e
             np.zeros(emask + 1, np.int64), np.zeros(0, np.bool_), np.zeros(0, np.uint8),
             np.zeros(4, np.int64), np.zeros(0, np.uint8))
     for g in range(G):
-        if not _group_stats(g, gstart[g], gstart[g + 1] - gstart[g], sizes[g], rank, dd, nw, work, stats, mb,
-                            nbits, exact):
-            return np.zeros(0, np.uint8)
+        _group_stats(g, gstart[g], gstart[g + 1] - gstart[g], sizes[g], rank, dd, nw, work, stats, mb, nbits)
     q_len, r_len = stats[:, QB].sum(), stats[:, RB].sum()
     tab = _table(lo, widths, stats, q_len, r_len)
     out = np.zeros(tab.size + (q_len + r_len + 7) // 8, np.uint8)

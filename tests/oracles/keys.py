@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...types import DtypeSpec
+from nemo_dcr.types import DtypeSpec
 
 
 def to_key(bits: np.ndarray, spec: DtypeSpec) -> np.ndarray:

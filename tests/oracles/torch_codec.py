@@ -1,11 +1,12 @@
 """``dcr`` encode/decode of one record on torch tensors (any device), byte-identical to
-:func:`nemo_dcr.codec.dcr.encode_dcr` / :func:`~nemo_dcr.codec.dcr.decode_dcr`."""
+:func:`nemo_dcr.codec.dcr.encode_dcr` / :func:`~nemo_dcr.codec.dcr.decode_dcr` (an oracle of
+the tests: the package has no device coder)."""
 
 from __future__ import annotations
 
 import torch
 
-from ...types import int_view, spec_of
+from nemo_dcr.types import int_view, spec_of
 from .decode import decode_body
 from .encode import encode_body
 from .index import DecoderIndexTorch, encoder_sorted_pos_torch

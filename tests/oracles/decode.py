@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...types import DtypeSpec
-from .. import bitio
-from ..errors import MalformedRecordError
+from nemo_dcr.types import DtypeSpec
+from . import bitio
+from nemo_dcr.codec.errors import MalformedRecordError
 from .index import DecoderIndexNp
 from .rice import seg_sum, set_rice_k
 from .table import read_group, read_groups

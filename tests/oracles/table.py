@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...types import DtypeSpec
-from .. import bitio
-from ..errors import MalformedRecordError
+from nemo_dcr.types import DtypeSpec
+from . import bitio
+from nemo_dcr.codec.errors import MalformedRecordError
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import MalformedRecordError
+from nemo_dcr.codec.errors import MalformedRecordError
 
 MAX_K = 63
 

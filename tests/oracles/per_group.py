@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...types import DtypeSpec
-from .. import bitio
-from ..errors import MalformedRecordError
+from nemo_dcr.types import DtypeSpec
+from . import bitio
+from nemo_dcr.codec.errors import MalformedRecordError
 from .decode import literal_new
 from .encode import literal_choice, zigzag
 from .groups import GroupIndex, choose_groups, set_rice_k

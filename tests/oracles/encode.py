@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...types import DtypeSpec
+from nemo_dcr.types import DtypeSpec
 from .groups import groups_from_counts
 from .index import encoder_sorted_pos_np
 from .rice import best_k, coded_set, seg_sum, varints

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import bitio
+from . import bitio
 from .groups import set_rice_k as _one_set_rice_k
 
 MAX_K = bitio.MAX_K
@@ -23,7 +23,7 @@ def varints(values) -> bytes:
 
 
 def set_rice_k(m: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """:func:`nemo_dcr.codec.dcr.groups.set_rice_k` for arrays (host int64); 0 where ``m`` is 0."""
+    """:func:`.groups.set_rice_k` for arrays (host int64); 0 where ``m`` is 0."""
     m, size = np.asarray(m, np.int64), np.asarray(size, np.int64)
     if size.size and int(size.max()) >= 1 << 36:  # products could leave float64's exact range
         return np.array([_one_set_rice_k(int(a), int(b)) for a, b in zip(m, size)], dtype=np.int64)

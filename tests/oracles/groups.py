@@ -1,20 +1,6 @@
-"""Groups of the ``dcr`` record coding (docs/wire_format.md section 4.4): which exponent classes
-share a group, the class-ordered index of a base tensor, and Rice parameters of coded sets.
-
-The coding itself:
-
-Context is what the receiver already holds: each element's *class* is the exponent of its base
-value, and the encoder groups neighbouring classes into *groups* (runs of exponents).  Within a
-group every element has a rank (its position among the group's elements in flat order).  Per
-group the coder writes three sparse sets and one integer list, all as Rice codes:
-
-- which ranks changed (or, when most did, which did not),
-- which changes step towards zero (the minority direction),
-- which step magnitudes exceed the group's minimum, and by how much.
-
-Adam moves weights by about ``lr`` per step, so how likely an element is to change, and by how
-many ULPs, are both set by its exponent; conditioning on the group captures most of that.
-"""
+"""Groups of the ``dcr`` record coding (docs/wire_format.md section 4.4), written apart from the
+library: which exponent classes share a group, the class-ordered index of a base tensor, and the
+Rice parameter of a coded set (Python integers)."""
 
 from __future__ import annotations
 
@@ -22,9 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...types import DtypeSpec
-
-MIN_GROUP_CHANGES = 1  # a group closes once it holds this many changes; measured: merging exponents costs more than the table saves
+from nemo_dcr.codec.dcr.jit_encode import MIN_GROUP_CHANGES  # an encoder choice both coders share
+from nemo_dcr.types import DtypeSpec
 
 
 def set_rice_k(n_coded: int, size: int) -> int:

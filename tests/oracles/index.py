@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...types import DtypeSpec
+from nemo_dcr.types import DtypeSpec
 
 BLOCK = 1 << 16
 _LOCAL = np.arange(BLOCK, dtype=np.int32)
