@@ -156,10 +156,10 @@ def test_folded_steps_equal_the_oracle():
     """The steps the delta statistics count (``nemo_dcr.codec.stats``), special values included."""
     rng = np.random.default_rng(4)
     for spec in DTYPES.values():
-        old = np.concatenate([_special(spec), rng.integers(0, 1 << spec.bits, 5000, dtype=np.uint64).astype(spec.uint)])
-        new = np.concatenate([_special(spec)[::-1], rng.integers(0, 1 << spec.bits, 5000, dtype=np.uint64).astype(spec.uint)])
-        keep = old != new
-        assert np.array_equal(fold_steps(old[keep], new[keep], spec.bits), oracle_fold_steps(old[keep], new[keep], spec))
+        old, new = (np.concatenate([sp, rng.integers(0, 1 << spec.bits, 5000, dtype=np.uint64).astype(spec.uint)])
+                    for sp in (_special(spec), _special(spec)[::-1]))
+        old, new = old[old != new], new[old != new]
+        assert np.array_equal(fold_steps(old, new, spec.bits), oracle_fold_steps(old, new, spec))
 
 
 # ------------------------------------------------------------------------------------------ index
