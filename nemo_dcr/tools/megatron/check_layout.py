@@ -80,10 +80,11 @@ def _compare(engine: TensorEngine | None, ref: dict | None) -> list[str]:
     return bad + [n for n in live if n not in ref]
 
 
-def _empty_engine(source) -> TensorEngine:
+def _empty_engine(source, cfg: DcrConfig) -> TensorEngine:
     from nemo_dcr.types import DTYPES
 
-    return TensorEngine({n: torch.zeros(s, dtype=DTYPES[d].torch_dtype) for n, (d, s) in source.canonical.items()})
+    return TensorEngine({n: torch.zeros(s, dtype=DTYPES[d].torch_dtype) for n, (d, s) in source.canonical.items()},
+                        keep_index=cfg.engine_index)
 
 
 def _train(args, dims, chunks, real: bool, opt, gen, step: int) -> None:
@@ -107,9 +108,9 @@ def run(args) -> dict:
         chunks = _wrap_ddp(chunks)
     source = source_from_model(chunks, vocab_size=dims.vocab_size, **uneven)
     stage_layers = check_chunks(chunks, source.plans, dims)
-    engine = _empty_engine(source) if dist.get_rank() == 0 else None
-    refit = DeltaRefit.from_config(DcrConfig(encoding=args.encoding, full_verify_interval=1), source,
-                                   engine=engine, engine_rank=0)
+    cfg = DcrConfig(encoding=args.encoding, full_verify_interval=1)
+    engine = _empty_engine(source, cfg) if dist.get_rank() == 0 else None
+    refit = DeltaRefit.from_config(cfg, source, engine=engine, engine_rank=0)
     trainable = not dims.num_experts and len(chunks) == 1 and not args.ddp
     if args.train == "real" and not trainable:
         raise SystemExit("--train real: needs a dense model, vpp == 1 and no --ddp on CPU")
