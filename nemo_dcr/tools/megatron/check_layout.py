@@ -100,7 +100,7 @@ def run(args) -> dict:
     dims = model_dims(args.model, args.layers)
     etp = args.etp or (args.tp if dims.num_experts else 1)  # dense models: expert-TP 1
     am.init_distributed(args.tp, args.pp, args.ep, etp, vpp=args.vpp)
-    uneven = dict(first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+    uneven = dict(num_layers_in_first_pipeline_stage=args.first_stage_layers, num_layers_in_last_pipeline_stage=args.last_stage_layers)
     chunks = am.build_gpt_model(dims, torch.bfloat16, vpp=args.vpp, **uneven)
     if args.checkpoint:
         load_hf(chunks, load_checkpoint(args.checkpoint), dims)
