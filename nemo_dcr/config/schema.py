@@ -1,7 +1,8 @@
 """The library's one configuration: :class:`DcrConfig`, the ``dcr:`` block, a docstring under every field.
 
 Every entry point reads it: :meth:`nemo_dcr.DeltaRefit.from_config`, the NeMo-RL plugin (whose
-options are this block's fields, same names and units), the demo recipe (``configs/``) and chaos.
+options are this block's fields, same names and units, read by :meth:`DcrConfig.from_mapping`), the
+demo recipe (``configs/``) and chaos.
 :meth:`DcrConfig.validate` refuses values outside their range; every error is a :class:`ConfigError`
 whose message starts with the dotted key (``dcr.encoding: must be one of ...``).
 """

@@ -69,10 +69,10 @@ class PluginOptions:
                                                      f"{settings[key]!r}: {why}")
         if "bucket_size_mb" not in settings and not bucket_size >= 1:
             raise ConfigError(f"{PREFIX}.bucket_size", f"NeMo-RL's bucket_size must be >= 1 byte, got {bucket_size}")
-        derived = {"bucket_size_mb": bucket_size / 2**20, "telemetry_dir": settings.get("url")}
-        cfg = DcrConfig.from_mapping({**DEFAULTS, **derived, **settings, **{k: v for k, (v, _) in FIXED.items()}},
-                                     PREFIX)
-        return cls(cfg, release)
+        derived = {**DEFAULTS, "bucket_size_mb": bucket_size / 2**20, "telemetry_dir": settings.get("url")}
+        settings.update({k: v for k, v in derived.items() if k not in settings})  # the user's keys first
+        settings.update({k: v for k, (v, _) in FIXED.items()})
+        return cls(DcrConfig.from_mapping(settings, PREFIX), release)
 
     def session_config(self, folder: str) -> DcrConfig:
         """The ``dcr`` settings of one session's refit (its store transport in ``folder``)."""
