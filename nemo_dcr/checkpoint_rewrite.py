@@ -21,7 +21,7 @@ from nemo_dcr.checkpoint import (
     atomic_write,
     checkpoint_files,
     file_writer,
-    read_header,
+    read_metadata,
     write_file,
 )
 
@@ -45,7 +45,7 @@ def rewrite_checkpoint(tensors: Mapping[str, torch.Tensor], like: str | os.PathL
             (checked before anything is written).
     """
     files = checkpoint_files(like)
-    first = read_header(next(iter(files))).metadata
+    first = read_metadata(next(iter(files)))
     out = Path(out)
     if out.suffix == ".safetensors":
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def rewrite_checkpoint(tensors: Mapping[str, torch.Tensor], like: str | os.PathL
         write_file(out / SINGLE_FILE, tensors, first)
         return [out / SINGLE_FILE]
     out.mkdir(parents=True, exist_ok=True)
-    writes = {out / f.name: file_writer({n: tensors[n] for n in names}, read_header(f).metadata)
+    writes = {out / f.name: file_writer({n: tensors[n] for n in names}, read_metadata(f))
               for f, names in files.items()}
     if index.resolve() != (out / INDEX_FILE).resolve():
         data = index.read_bytes()

@@ -5,6 +5,7 @@ Usage::
     from nemo_dcr.config import DcrConfig
     cfg = DcrConfig(encoding="dcr", transport="gloo")
     cfg.validate()            # ConfigError("dcr.transport: ...") names the first bad key
+    cfg = DcrConfig.from_mapping({"encoding": "dcr", "bucket_size_mb": 64})  # validated; unknown keys refused
 """
 
 from nemo_dcr.config.schema import BASELINES, ENCODINGS, TRANSPORTS, ConfigError, DcrConfig

@@ -1,14 +1,19 @@
 """The library's one configuration: :class:`DcrConfig`, the ``dcr:`` block, a docstring under every field.
 
 Every entry point reads it: :meth:`nemo_dcr.DeltaRefit.from_config`, the NeMo-RL plugin (whose
-options are this block's fields, same names and units), the demo recipe (``configs/``) and chaos.
+options are this block's fields, same names and units, read by :meth:`DcrConfig.from_mapping`), the
+demo recipe (``configs/``) and chaos.
 :meth:`DcrConfig.validate` refuses values outside their range; every error is a :class:`ConfigError`
 whose message starts with the dotted key (``dcr.encoding: must be one of ...``).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 ENCODINGS = ("dcr", "reference", "raw")
@@ -49,6 +54,24 @@ def check_one_of(prefix: str, name: str, value, allowed) -> None:
 def check_at_least(prefix: str, name: str, value, low) -> None:
     if value < low:
         raise ConfigError(f"{prefix}.{name}", f"must be >= {low}, got {value!r}")
+
+
+def _typed(key: str, value, hint):
+    """``value`` as the field type ``hint`` (bool, int, float, str, ``list[...]``, ``X | None``);
+    an int is taken for a float and any sequence but a string for a list."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise ConfigError(key, f"must be a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_typed(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    ok = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[hint]
+    if not isinstance(value, ok) or (isinstance(value, bool) and hint is not bool):
+        raise ConfigError(key, f"must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return float(value) if hint is float else value
 
 
 @dataclass
@@ -99,6 +122,29 @@ class DcrConfig:
     fp8_keep: list[str] | None = None
     """``engine_format: fp8``: name patterns (fnmatch, canonical names) of 2-D weights kept in
     BF16; None: the convention's (embeddings, lm_head, norms, MoE router, biases)."""
+    engine_index: bool = True
+    """Engines keep a ``dcr`` class index of the tensors they hold between versions (host memory,
+    about 2.3 bytes per element of the tensors that receive ``dcr`` records, ~1.15x a BF16 shard),
+    so decoding costs in proportion to the changes; false: no such memory, each refit ranks the
+    touched tensors again (a pass over each)."""
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, object], prefix: str = "dcr") -> DcrConfig:
+        """The validated config of ``settings`` (field name -> value, in the fields' units).
+
+        Raises:
+            ConfigError: an unknown key (named, with the closest known one), a value of the wrong
+                type, or one :meth:`validate` refuses.
+        """
+        hints = typing.get_type_hints(cls)
+        for key in settings:
+            if key not in hints:
+                close = difflib.get_close_matches(str(key), hints, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{prefix}.{key}", f"unknown key{hint}; known: {', '.join(hints)}")
+        cfg = cls(**{k: _typed(f"{prefix}.{k}", v, hints[k]) for k, v in settings.items()})
+        cfg.validate(prefix)
+        return cfg
 
     def validate(self, prefix: str = "dcr") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""

@@ -68,6 +68,19 @@ class ParallelLayout:
         """Expert data-parallel size: ``tp * cp * dp / (etp * ep)``."""
         return (self.tp * self.cp * self.dp) // (self.etp * self.ep)
 
+    def sizes(self) -> dict[str, int | None]:
+        """The parallel sizes and pipeline knobs (every field but this rank's coordinates)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.endswith("_rank")}
+
+    def describe(self) -> str:
+        """``TP8 PP8(7/../6) EP32 ETP1 DP16`` style summary of the sizes (``(first/../last)``: the
+        uneven-pipeline knobs, ``=`` for an even one; VPP and CP only when above 1)."""
+        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        pp = f"PP{self.pp}" + (f"({first or '='}/../{last or '='})" if first is not None or last is not None else "")
+        vpp = f" VPP{self.vpp}" if self.vpp > 1 else ""
+        cp = f" CP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp} {pp}{vpp} EP{self.ep} ETP{self.etp} DP{self.dp}{cp}"
+
     def validate(self, world_size: int | None = None, dims: ModelDims | None = None) -> None:
         """Raise :class:`LayoutError` for impossible combinations.
 

@@ -17,7 +17,7 @@ from nemo_dcr.quant.check import (
     check_fp8_payload,
     check_fp8_tensor,
 )
-from nemo_dcr.quant.delta import Fp8DeltaStats, Fp8TensorDelta, fp8_delta, scale_tensor_name
+from nemo_dcr.quant.delta import Fp8DeltaStats, Fp8TensorDelta, fp8_delta, requantized_delta, scale_tensor_name
 from nemo_dcr.quant.fp8 import (
     AMAX_FLOOR,
     E4M3_MAX,
@@ -31,11 +31,11 @@ from nemo_dcr.quant.fp8 import (
     quantize,
 )
 from nemo_dcr.quant.linear import Fp8Linear, to_fp8_linears
-from nemo_dcr.quant.plan import DEFAULT_KEEP, Fp8Plan, Fp8Rule
+from nemo_dcr.quant.plan import DEFAULT_KEEP, REQUANTIZE_FRACTION, Fp8Plan, Fp8Rule
 
 __all__ = [
-    "AMAX_FLOOR", "DEFAULT_KEEP", "E4M3_MAX", "Fp8DeltaStats", "Fp8Error", "Fp8Linear", "Fp8PayloadError", "Fp8Plan",
-    "Fp8Rule", "Fp8Scheme", "Fp8ShapeError", "Fp8TensorDelta", "Fp8TransactionCheck", "Fp8Weight",
-    "NonFiniteWeightError", "block_amax", "check_fp8_changes", "check_fp8_payload", "check_fp8_tensor", "dequantize", "fp8_delta", "quantize", "scale_tensor_name",
-    "to_fp8_linears",
+    "AMAX_FLOOR", "DEFAULT_KEEP", "E4M3_MAX", "REQUANTIZE_FRACTION", "Fp8DeltaStats", "Fp8Error", "Fp8Linear",
+    "Fp8PayloadError", "Fp8Plan", "Fp8Rule", "Fp8Scheme", "Fp8ShapeError", "Fp8TensorDelta", "Fp8TransactionCheck",
+    "Fp8Weight", "NonFiniteWeightError", "block_amax", "check_fp8_changes", "check_fp8_payload", "check_fp8_tensor",
+    "dequantize", "fp8_delta", "quantize", "requantized_delta", "scale_tensor_name", "to_fp8_linears",
 ]

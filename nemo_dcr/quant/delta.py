@@ -34,6 +34,7 @@ from nemo_dcr.quant.fp8 import (
     Fp8ShapeError,
     NonFiniteWeightError,
     check_matrix_shape,
+    quantize,
     quantize_values,
     quantize_with_reciprocal,
     scale_inv_from_amax,
@@ -262,6 +263,38 @@ def fp8_delta(delta: SparseDelta, new: torch.Tensor, amax: torch.Tensor, scheme:
     stats = Fp8DeltaStats(delta.numel, grid[0] * grid[1], delta.nnz, weight.nnz, int(b.touched.sum()),
                           int(ids.numel()), int(b.rescan.sum()))
     return Fp8TensorDelta(weight, scale, b.amax.reshape(grid), stats)
+
+
+def requantized_delta(delta: SparseDelta, new: torch.Tensor, weight_bits: np.ndarray, scale_bits: np.ndarray,
+                      scheme: Fp8Scheme = Fp8Scheme(), scale_name: str | None = None) -> Fp8TensorDelta:
+    """FP8 changes of one weight by quantizing the new target whole and comparing with what the
+    engine holds (cost ~ elements, for large deltas; equal to :func:`fp8_delta`'s result).
+
+    Args:
+        delta: BF16 changes ``W0 -> W1`` of the weight (only counted here).
+        new: the whole new target ``W1`` (bf16, 2-D).
+        weight_bits, scale_bits: the engine's flat bits of ``Q(W0)``: FP8 bytes and fp32 scales.
+        scheme, scale_name: as for :func:`fp8_delta`.
+
+    Raises:
+        Fp8Error: NaN/Inf in the target.
+    """
+    name = scale_name or scale_tensor_name(delta.name, scheme)
+    q = quantize(new, scheme, delta.name)
+    weight, scale = _changed(delta.name, "fp8_e4m3", q.weight, weight_bits), _changed(name, "fp32", q.scale, scale_bits)
+    n, (bm, bn) = new.shape[1], scheme.block_for(new.shape)
+    rows = delta.positions // n
+    touched = np.unique((rows // bm) * -(-n // bn) + (delta.positions - rows * n) // bn).size
+    blocks = q.scale.numel()
+    stats = Fp8DeltaStats(delta.numel, blocks, delta.nnz, weight.nnz, touched, scale.nnz, blocks)
+    return Fp8TensorDelta(weight, scale, q.amax, stats)
+
+
+def _changed(name: str, dtype: str, t: torch.Tensor, old: np.ndarray) -> SparseDelta:
+    """The elements of ``t`` whose bits differ from ``old``, as a delta from ``old``."""
+    new = bits_view(t.contiguous())
+    pos = np.flatnonzero(new != old).astype(np.int64)
+    return SparseDelta(name, dtype, tuple(t.shape), pos, new[pos], old[pos])
 
 
 def scale_tensor_name(weight_name: str, scheme: Fp8Scheme = Fp8Scheme()) -> str:

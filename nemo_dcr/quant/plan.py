@@ -17,13 +17,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+import numpy as np
 import torch
 
-from nemo_dcr.quant.delta import Fp8DeltaStats, fp8_delta, scale_tensor_name
+from nemo_dcr.quant.delta import Fp8DeltaStats, Fp8TensorDelta, fp8_delta, requantized_delta, scale_tensor_name
 from nemo_dcr.quant.fp8 import Fp8Error, Fp8Scheme, quantize
 from nemo_dcr.types import SparseDelta
 
 Tensors = dict[str, torch.Tensor]
+
+REQUANTIZE_FRACTION = 0.1
+"""Above this fraction of changed elements an FP8 weight is re-quantized whole (docs/fp8.md: the
+delta costs ~90 ns per change, a full quantization ~5-10 ns per element)."""
 
 DEFAULT_KEEP = ("*embed_tokens*", "*lm_head*", "*norm*", "*.mlp.gate.weight", "*router*", "*.bias")
 
@@ -94,7 +99,8 @@ class Fp8Plan:
         return engine, amax
 
     def deltas(self, bf16_deltas: Sequence[SparseDelta], tensors: Mapping[str, torch.Tensor],
-               amax: Mapping[str, torch.Tensor]) -> tuple[list[SparseDelta], Tensors, dict[str, Fp8DeltaStats]]:
+               amax: Mapping[str, torch.Tensor], engine_bits: Mapping[str, np.ndarray] | None = None,
+               ) -> tuple[list[SparseDelta], Tensors, dict[str, Fp8DeltaStats]]:
         """The engine-side changes for a step, from the BF16 changes of every canonical tensor.
 
         Args:
@@ -102,6 +108,7 @@ class Fp8Plan:
             tensors: the new canonical targets of at least the FP8 weights that changed.
             amax: block maxima state of every FP8 weight (from :meth:`quantize_model` or the
                 previous call); not modified.
+            engine_bits: see :meth:`weight_delta`.
 
         Returns:
             Deltas for the engine's tensors (kept tensors' deltas unchanged; each FP8 weight
@@ -117,10 +124,30 @@ class Fp8Plan:
                 continue
             if d.name not in tensors or d.name not in amax:
                 raise Fp8Error(f"{d.name}: the FP8 delta needs its new target and its amax state")
-            fd = fp8_delta(d, tensors[d.name], amax[d.name], self.scheme, self.scale_names[d.name])
+            fd = self.weight_delta(d, tensors[d.name], amax[d.name], engine_bits)
             out += [fd.weight, fd.scale]
             new_amax[d.name], stats[d.name] = fd.amax, fd.stats
         return out, new_amax, stats
+
+    def weight_delta(self, d: SparseDelta, target: torch.Tensor, amax: torch.Tensor,
+                     engine_bits: Mapping[str, np.ndarray] | None = None) -> Fp8TensorDelta:
+        """The FP8 byte and scale changes of FP8 weight ``d.name`` from its BF16 changes ``d``.
+
+        Both paths give exactly ``quantize(target)``'s changes: :func:`~.delta.fp8_delta` (cost ~
+        changes), or, with ``engine_bits`` and more than :data:`REQUANTIZE_FRACTION` of the elements
+        changed (a first sync, large steps), :func:`~.delta.requantized_delta` (cost ~ elements).
+
+        Args:
+            d: the weight's BF16 delta (with old bits).
+            target: its whole new target.
+            amax: its block maxima state.
+            engine_bits: engine tensor name -> flat bits of what the engine holds (the weight's
+                FP8 bytes and its scales); None: always the delta path.
+        """
+        scale = self.scale_names[d.name]
+        if engine_bits is None or d.nnz <= REQUANTIZE_FRACTION * d.numel:
+            return fp8_delta(d, target, amax, self.scheme, scale)
+        return requantized_delta(d, target, engine_bits[d.name], engine_bits[scale], self.scheme, scale)
 
     def _check_names(self, tensors: Mapping[str, torch.Tensor]) -> None:
         missing = [n for n in (*self.fp8, *self.kept) if n not in tensors]

@@ -16,10 +16,10 @@ as FP8 e4m3 bytes plus fp32 scales ``X.weight_scale_inv``, every other tensor in
 * the fp32 block maxima, the state of the FP8 delta.
 
 :meth:`Fp8Mirror.stage` turns a step's merged BF16 changes into engine changes: kept tensors pass
-through; an FP8 weight's come from :func:`nemo_dcr.quant.fp8_delta` (cost ~ changes), or, when more
-than :data:`REQUANTIZE_FRACTION` of its elements changed (a first sync, large steps), from
-re-quantizing it whole and comparing with the mirror.  Both equal quantizing the whole new target
-(the tests check the engine against an independent quantizer).  The three parts are staged
+through; an FP8 weight's come from :meth:`nemo_dcr.quant.Fp8Plan.weight_delta` given the engine-format
+mirror's bits (the delta, or above :data:`nemo_dcr.quant.plan.REQUANTIZE_FRACTION` of its elements
+changed, re-quantizing it whole and comparing with the mirror).  Both equal quantizing the whole new
+target (the tests check the engine against an independent quantizer).  The three parts are staged
 together and move only when the engine acknowledged; a refused version leaves them as they were,
 and a resync sends the engine-format tensors of the trainer's current BF16 state.
 
@@ -39,13 +39,9 @@ from nemo_dcr import quant
 from nemo_dcr.codec import Identity, encode_deltas
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.quant.fp8 import scale_inv_from_amax
-from nemo_dcr.types import DTYPES, SparseDelta, bits_view, carrier
+from nemo_dcr.types import DTYPES, SparseDelta, carrier
 
 from .mirror import SenderMirror
-
-REQUANTIZE_FRACTION = 0.1
-"""Above this fraction of changed elements an FP8 weight is re-quantized whole (docs/fp8.md: the
-delta costs ~90 ns per change, a full quantization ~5-10 ns per element)."""
 
 Meta = Mapping[str, tuple[str, tuple[int, ...]]]
 
@@ -150,30 +146,13 @@ class Fp8Mirror:
                 out.append(d)
             elif d.nnz:
                 with _applied(self.canonical, d) as target:
-                    w, s, amax[d.name], stats[d.name] = self._fp8(d, target)
-                out += [w, s]
+                    fd = self.plan.weight_delta(d, target, self.amax[d.name], self.engine.bits)
+                out += [fd.weight, fd.scale]
+                amax[d.name], stats[d.name] = fd.amax, fd.stats
         self.canonical.stage(deltas, version)
         self.engine.stage(out, version)
         self._staged = (version, amax, stats, list(deltas), out)
         return out
-
-    def _fp8(self, d: SparseDelta, target: torch.Tensor):
-        scale = self.plan.scale_names[d.name]
-        if d.nnz <= REQUANTIZE_FRACTION * d.numel:
-            fd = quant.fp8_delta(d, target, self.amax[d.name], self.plan.scheme, scale)
-            return fd.weight, fd.scale, fd.amax, fd.stats
-        q = quant.quantize(target, self.plan.scheme, d.name)
-        w, s = self._diff(d.name, "fp8_e4m3", q.weight), self._diff(scale, "fp32", q.scale)
-        (m, n), (bm, bn) = target.shape, self.plan.scheme.block_for(target.shape)
-        rows = d.positions // n
-        touched = np.unique((rows // bm) * -(-n // bn) + (d.positions - rows * n) // bn).size
-        blocks = q.scale.numel()
-        return w, s, q.amax, quant.Fp8DeltaStats(d.numel, blocks, d.nnz, w.nnz, touched, s.nnz, blocks)
-
-    def _diff(self, name: str, dtype: str, t: torch.Tensor) -> SparseDelta:
-        new, old = bits_view(t.contiguous()), self.engine.bits[name]
-        pos = np.flatnonzero(new != old).astype(np.int64)
-        return SparseDelta(name, dtype, tuple(t.shape), pos, new[pos], old[pos])
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
                max_changes: int) -> list[bytes]:

@@ -10,7 +10,8 @@
   module imports it, not even lazily.
 * **Frameworks.** megatron, nemo_rl, vllm, sglang and transformers are imported only by
   ``nemo_dcr.integrations``; the layers below it do not import them at all, the layers above
-  only inside functions.
+  only inside functions.  ``safetensors`` is no framework but a core dependency: the checkpoint
+  module reads and writes files with it.
 * Importing the codec and the checksum in a fresh interpreter leaves those frameworks out of
   ``sys.modules`` (checked with stub packages on the path, so an import would really register).
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "nemo_dcr"
-FORBIDDEN = ("megatron", "nemo_rl", "vllm", "sglang", "transformers", "safetensors")
+FORBIDDEN = ("megatron", "nemo_rl", "vllm", "sglang", "transformers")
 LAYERS = {
     "types": 0,
     "kernels": 1,

@@ -122,7 +122,7 @@ def test_in_place_apply_on_hf_folder_keeps_files_and_metadata(tmp_path, shards):
     assert (folder / "config.json").read_text() == '{"model_type": "llama"}'
     assert (folder / "tokenizer.json").read_text() == '{"version": "1.0"}'
     for f in folder.glob("*.safetensors"):
-        assert ckpt.read_header(f).metadata == meta, f
+        assert ckpt.read_metadata(f) == meta, f
     _assert_bits(ckpt.load_checkpoint(folder), target)
 
 

@@ -169,3 +169,30 @@ def test_unparsable_override_value_is_a_config_error(override):
     with pytest.raises(ConfigError) as err:
         load_config(CFG, [override])
     assert err.value.key == override.partition("=")[0]
+
+
+def test_dcr_config_from_a_mapping():
+    """The library's reader of a plain mapping (the NeMo-RL plugin's options): field names and units,
+    ints taken for floats, sequences for lists, validated."""
+    cfg = DcrConfig.from_mapping({"bucket_size_mb": 4, "telemetry_encodings": ("raw",), "url": None,
+                                  "engine_index": False, "fp8_keep": None})
+    assert (cfg.bucket_size_mb, cfg.telemetry_encodings, cfg.engine_index) == (4.0, ["raw"], False)
+    assert isinstance(cfg.bucket_size_mb, float)
+    assert DcrConfig.from_mapping({}) == DcrConfig()
+
+
+@pytest.mark.parametrize("settings, key, text", [
+    ({"encodng": "dcr"}, "x.encodng", "unknown key (did you mean 'encoding'?); known: enabled, encoding"),
+    ({"enabled": 1}, "x.enabled", "must be bool, got int 1"),
+    ({"verify_interval": True}, "x.verify_interval", "must be int, got bool"),
+    ({"bucket_size_mb": "3"}, "x.bucket_size_mb", "must be float, got str"),
+    ({"fp8_block": [1, "a"]}, "x.fp8_block[1]", "must be int, got str"),
+    ({"fp8_keep": "*norm*"}, "x.fp8_keep", "must be a list, got str"),
+    ({"url": 3}, "x.url", "must be str, got int"),
+    ({"reply_timeout_s": 0}, "x.reply_timeout_s", "must be > 0"),
+    ({"transport": "store", "url": "/tmp/x"}, "x.key_file", "set a key file"),
+])
+def test_dcr_config_from_a_mapping_refuses_naming_the_key(settings, key, text):
+    with pytest.raises(ConfigError) as err:
+        DcrConfig.from_mapping(settings, "x")
+    assert err.value.key == key and text in str(err.value)

@@ -7,6 +7,8 @@ tensors are compared by integer views with the reference quantization of the who
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -198,3 +200,27 @@ def test_inconsistent_inputs_are_refused():
     plan = quant.Fp8Plan.build({"w.weight": (256, 256)})
     with pytest.raises(quant.Fp8Error, match="not a tensor of this plan"):
         plan.deltas([type(d)("other.weight", d.dtype, d.shape, d.positions, d.new_bits, d.old_bits)], {}, {})
+
+
+@pytest.mark.parametrize("mode", ["ulp", "mixed"])
+def test_both_paths_of_weight_delta_give_the_same_changes(mode):
+    """A delta over REQUANTIZE_FRACTION given the engine's bits is re-quantized whole: the same
+    weight and scale changes, block maxima and counts as the delta path (every block rescanned)."""
+    rng = np.random.default_rng(5)
+    w0 = bf16(rng.standard_normal((256, 384)) * 0.02)
+    w1 = w0
+    for _ in range(8):  # enough steps for more than REQUANTIZE_FRACTION of the elements
+        w1 = make_step(rng, w1, mode, (128, 128))
+    (d,) = codec.diff_tensors({"w.weight": w0}, {"w.weight": w1})
+    assert d.nnz > quant.REQUANTIZE_FRACTION * d.numel
+    plan = quant.Fp8Plan.build({"w.weight": (256, 384)})
+    q0, s0, a0 = engine_from_reference(w0, (128, 128))
+    engine = {"w.weight": bits_view(q0), "w.weight_scale_inv": bits_view(s0)}
+    by_delta = plan.weight_delta(d, w1, a0)
+    whole = plan.weight_delta(d, w1, a0, engine)
+    assert whole.stats == replace(by_delta.stats, blocks_rescanned=by_delta.stats.blocks)
+    assert torch.equal(whole.amax.view(torch.int32), by_delta.amax.view(torch.int32))
+    for a, b in ((whole.weight, by_delta.weight), (whole.scale, by_delta.scale)):
+        assert (a.name, a.dtype, a.shape) == (b.name, b.dtype, b.shape)
+        for x, y in ((a.positions, b.positions), (a.new_bits, b.new_bits), (a.old_bits, b.old_bits)):
+            assert np.array_equal(x, y)

@@ -35,6 +35,18 @@ def test_roundtrip_dict_and_json():
         ParallelLayout.from_dict({"tp": 2, "tensor_parallel": 2})
 
 
+def test_sizes_and_summary():
+    lay = ParallelLayout(tp=8, pp=8, ep=32, etp=1, dp=16, tp_rank=3, pp_rank=2,
+                         num_layers_in_first_pipeline_stage=7, num_layers_in_last_pipeline_stage=6)
+    assert (lay.world_size, lay.expert_dp) == (1024, 4)
+    assert lay.describe() == "TP8 PP8(7/../6) EP32 ETP1 DP16"
+    assert lay.sizes() == {"tp": 8, "pp": 8, "vpp": 1, "ep": 32, "etp": 1, "dp": 16, "cp": 1,
+                           "num_layers_in_first_pipeline_stage": 7, "num_layers_in_last_pipeline_stage": 6}
+    assert ParallelLayout(**lay.sizes()).describe() == lay.describe()  # the coordinates are not sizes
+    assert ParallelLayout(tp=2, pp=2, vpp=2, cp=2, num_layers_in_last_pipeline_stage=4).describe() == \
+        "TP2 PP2(=/../4) VPP2 EP1 ETP1 DP1 CP2"
+
+
 @pytest.mark.parametrize("kwargs,world,dims,match", [
     (dict(tp=2, dp=2), 8, None, "world size 8"),
     (dict(tp=2, tp_rank=2), None, None, "tp_rank=2 out of range"),

@@ -11,10 +11,12 @@ would have produced), never with the refit's own mirror or checksums.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from nemo_dcr.config import ConfigError
 from nemo_dcr.integrations.nemo_rl import SELECTOR, DcrCheckpointEngine
 from nemo_dcr.transport import MessageKind
 from nemo_dcr.transport.store import StoreTransport
@@ -32,7 +34,7 @@ def refit_cfg(tmp_path) -> dict:
     key = tmp_path / "hmac.key"
     key.write_bytes(b"nemo-rl-contract-test-key-0123456789")
     return {"update_weights_bucket_memory_ratio": 0.05, "url": str(tmp_path / "refit"), "key_file": str(key),
-            "timeout_s": 60, "full_verify_interval": 3}
+            "reply_timeout_s": 60, "full_verify_interval": 3}
 
 
 def mismatches(state: dict, engines) -> list[str]:
@@ -209,7 +211,7 @@ def test_a_failed_sync_fails_on_both_sides_and_the_next_one_recovers(refit_cfg):
 
 
 def test_rollout_waits_with_a_bounded_clear_timeout(refit_cfg):
-    cfg = {**refit_cfg, "timeout_s": 0.5}
+    cfg = {**refit_cfg, "reply_timeout_s": 0.5}
     sync = Synchronizer(policy_workers(initial_state(D)), vllm_engines(D, 1, TP), SELECTOR, cfg)
     sync.init_communicator()
     with pytest.raises(TimeoutError, match=r"rollout rank 0: nothing from the policy workers for 0\.5s in sync 1"):
@@ -218,16 +220,60 @@ def test_rollout_waits_with_a_bounded_clear_timeout(refit_cfg):
 
 def test_refit_cfg_errors_name_the_key(refit_cfg):
     kw = {k: v for k, v in refit_cfg.items() if k != "update_weights_bucket_memory_ratio"}
-    with pytest.raises(ValueError, match=r"unknown refit_cfg keys.*'bogus'"):
+    where = re.escape(f"refit_cfg['{SELECTOR}']")
+    with pytest.raises(ConfigError, match=rf"^{where}\.bogus: unknown key"):
         DcrCheckpointEngine(1 << 20, **kw, bogus=1)
-    with pytest.raises(ValueError, match=r"encoding"):
+    with pytest.raises(ConfigError, match=r"\.timeout_s: unknown key \(did you mean 'reply_timeout_s'\?\)"):
+        DcrCheckpointEngine(1 << 20, **kw, timeout_s=60)  # the keys are DcrConfig's, old names are gone
+    with pytest.raises(ConfigError, match=r"\.encoding: must be one of"):
         DcrCheckpointEngine(1 << 20, **{**kw, "encoding": "zip"})
-    with pytest.raises(ValueError, match=r"key_file is required"):
+    with pytest.raises(ConfigError, match=r"\.verify_interval: must be int, got str"):
+        DcrCheckpointEngine(1 << 20, **{**kw, "verify_interval": "1"})
+    with pytest.raises(ConfigError, match=r"\.key_file: the store transport authenticates"):
         DcrCheckpointEngine(1 << 20, url=kw["url"])
+    with pytest.raises(ConfigError, match=r"\.transport: the NeMo-RL plugin uses 'store', got 'gloo'"):
+        DcrCheckpointEngine(1 << 20, **{**kw, "transport": "gloo"})
+    with pytest.raises(ConfigError, match=r"\.engine_format: the NeMo-RL plugin uses 'bf16'"):
+        DcrCheckpointEngine(1 << 20, **{**kw, "engine_format": "fp8"})
+    with pytest.raises(ConfigError, match=r"\.bucket_size: NeMo-RL's bucket_size must be >= 1 byte"):
+        DcrCheckpointEngine(0, **kw)
     with pytest.raises(ValueError, match=r"holds 3 bytes"):
         bad = refit_cfg["key_file"] + ".short"
         open(bad, "wb").write(b"abc")
         DcrCheckpointEngine(1 << 20, **{**kw, "key_file": bad})
+
+
+def test_refit_cfg_is_the_dcr_config(refit_cfg):
+    """The keys are DcrConfig's, in its units; NeMo-RL's bucket_size (bytes) and the plugin's own
+    defaults fill only what the user did not set."""
+    kw = {k: v for k, v in refit_cfg.items() if k != "update_weights_bucket_memory_ratio"}
+    opts = DcrCheckpointEngine(3 << 20, **kw, release_after_refit=True).options
+    assert opts.release_after_refit is True
+    cfg = opts.dcr
+    assert (cfg.transport, cfg.engine_format, cfg.bucket_size_mb, cfg.reply_timeout_s) == ("store", "bf16", 3.0, 60.0)
+    assert (cfg.url, cfg.telemetry_dir, cfg.full_verify_interval, cfg.engine_index) == (kw["url"], kw["url"], 3, True)
+    assert opts.session_config("/x/session-1").url == "/x/session-1"
+    mine = DcrCheckpointEngine(3 << 20, **{**kw, "bucket_size_mb": 0.5, "transport": "store", "engine_index": False,
+                                           "telemetry_dir": None}).options.dcr
+    assert (mine.bucket_size_mb, mine.engine_index, mine.telemetry_dir) == (0.5, False, None)
+    bare = {k: v for k, v in kw.items() if k != "reply_timeout_s"}
+    assert DcrCheckpointEngine(1 << 20, **bare).options.dcr.reply_timeout_s == 600.0
+
+
+def test_no_engine_index_and_no_telemetry(refit_cfg, tmp_path):
+    """``engine_index: false`` (vLLM workers keep no class index) stays bit-exact; ``telemetry_dir:
+    null`` writes no telemetry."""
+    state = initial_state(D)
+    policy, engines = policy_workers(state), vllm_engines(D, 1, TP)
+    cfg = {**refit_cfg, "engine_index": False, "telemetry_dir": None}
+    sync = Synchronizer(policy, engines, SELECTOR, cfg)
+    for step in range(2):
+        if step:
+            step_all(state, policy, step)
+        sync.sync_weights()
+        assert mismatches(state, engines) == []
+    assert all(not w.checkpoint_engine.options.dcr.engine_index for e in engines for w in e)
+    assert not (tmp_path / "refit" / "telemetry.jsonl").exists()
 
 
 def test_key_file_is_read_by_the_one_rule(refit_cfg, tmp_path):

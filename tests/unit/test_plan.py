@@ -15,20 +15,21 @@ import pytest
 
 from nemo_dcr.tools.cli import main
 from nemo_dcr.codec.stats import layer_type
-from nemo_dcr.layout import HF_CONFIGS, LayoutError, MegatronSpec, canonical_shapes, dims_from_hf_config, model_dims
+from nemo_dcr.layout import (HF_CONFIGS, LayoutError, MegatronSpec, ParallelLayout, canonical_shapes, dims_from_hf_config,
+                             model_dims)
 from nemo_dcr.tools.planner import figures as F
-from nemo_dcr.tools.planner.inputs import EngineLayout, Hardware, PlanSetup, TrainerLayout
+from nemo_dcr.tools.planner.inputs import EngineDeployment, Hardware, PlanSetup
 from nemo_dcr.tools.planner.estimate import make_plan, rank_shares
 from nemo_dcr.tools.planner.presets import CPU_HOST, LOOPBACK
 from nemo_dcr.refit.routing import assign_owners
 
 SPECS = (MegatronSpec(), MegatronSpec(transformer_engine=True, moe_grouped_gemm=True))
 LAYOUTS = [
-    ("smollm2", TrainerLayout(tp=3, pp=2, dp=2), EngineLayout(tp=3, replicas=2)),
-    ("dense-tiny", TrainerLayout(tp=2, pp=2, vpp=2, dp=3), EngineLayout(tp=2, dp=2)),
-    ("qwen3-moe-tiny", TrainerLayout(tp=2, pp=2, ep=2, etp=1, dp=2), EngineLayout(tp=2, dp=2, ep=4)),
-    ("deepseek-tiny", TrainerLayout(tp=2, pp=2, ep=4, etp=1, dp=2), EngineLayout(tp=2, ep=1)),
-    ("deepseek-tiny", TrainerLayout(tp=2, pp=4, ep=2, etp=2, dp=2), EngineLayout(tp=4, dp=1, ep=4)),
+    ("smollm2", ParallelLayout(tp=3, pp=2, dp=2), EngineDeployment(tp=3, replicas=2)),
+    ("dense-tiny", ParallelLayout(tp=2, pp=2, vpp=2, dp=3), EngineDeployment(tp=2, dp=2)),
+    ("qwen3-moe-tiny", ParallelLayout(tp=2, pp=2, ep=2, etp=1, dp=2), EngineDeployment(tp=2, dp=2, ep=4)),
+    ("deepseek-tiny", ParallelLayout(tp=2, pp=2, ep=4, etp=1, dp=2), EngineDeployment(tp=2, ep=1)),
+    ("deepseek-tiny", ParallelLayout(tp=2, pp=4, ep=2, etp=2, dp=2), EngineDeployment(tp=4, dp=1, ep=4)),
 ]
 
 
@@ -73,7 +74,7 @@ def test_every_canonical_element_captured_once_and_held_by_each_replica(model, t
 
 
 def test_ranks_that_differ_in_data_parallel_rank_scan_the_same_amount():
-    sh = rank_shares(model_dims("qwen3-moe-tiny"), _setup(TrainerLayout(tp=2, ep=2, dp=4), EngineLayout()), SPECS[0])
+    sh = rank_shares(model_dims("qwen3-moe-tiny"), _setup(ParallelLayout(tp=2, ep=2, dp=4), EngineDeployment()), SPECS[0])
     by_class: dict[tuple, set[int]] = {}
     for s in sh.trainers:
         key = (s.coords["pp_rank"], s.coords["tp_rank"], s.coords["etp_rank"])
@@ -83,7 +84,7 @@ def test_ranks_that_differ_in_data_parallel_rank_scan_the_same_amount():
 
 @pytest.mark.parametrize("density", [0.001, 0.03, 1.0])
 def test_changes_add_up_to_density_times_params_on_every_side(density):
-    trainer, engine = TrainerLayout(tp=3, pp=2, dp=2), EngineLayout(tp=3, replicas=2)
+    trainer, engine = ParallelLayout(tp=3, pp=2, dp=2), EngineDeployment(tp=3, replicas=2)
     plan = make_plan("smollm2", model_dims("smollm2"), _setup(trainer, engine), _fig(density), spec=MegatronSpec())
     total = density * plan.params
     assert sum(c.changes for c in plan.trainers) == pytest.approx(total, rel=1e-9)
@@ -97,10 +98,10 @@ def test_changes_add_up_to_density_times_params_on_every_side(density):
 
 def test_owners_are_assign_owners_and_each_tensor_has_one():
     dims = model_dims("deepseek-tiny")
-    setup = _setup(TrainerLayout(tp=2, pp=2, ep=2, dp=2), EngineLayout())
+    setup = _setup(ParallelLayout(tp=2, pp=2, ep=2, dp=2), EngineDeployment())
     sh = rank_shares(dims, setup, SPECS[0])
     shapes = canonical_shapes(dims.family, dims)
-    want = assign_owners({n: math.prod(s) for n, s in shapes.items()}, setup.trainer.world)
+    want = assign_owners({n: math.prod(s) for n, s in shapes.items()}, setup.trainer.world_size)
     assert dict(zip(sh.table.names, sh.table.owner.tolist())) == want
     assert sorted(sh.table.names) == sorted(shapes)
 
@@ -172,8 +173,23 @@ def test_cli_json_has_the_promised_keys_and_a_row_per_rank(tmp_path):
                 "critical_path", "ranks", "preset", "assumptions", "export_then_diff_seconds", "what_it_takes"):
         assert key in d
     assert len(d["ranks"]) == 4 + 2
+    assert d["trainer_layout"] == {"tp": 2, "pp": 1, "vpp": 1, "ep": 2, "etp": 1, "dp": 2, "cp": 1,
+                                   "num_layers_in_first_pipeline_stage": None,
+                                   "num_layers_in_last_pipeline_stage": None, "world_size": 4, "expert_dp": 2,
+                                   "describe": "TP2 PP1 EP2 ETP1 DP2"}  # the ParallelLayout's sizes
+    assert d["engine_layout"] == {"tp": 2, "ep": 1, "dp": 1, "replicas": 1, "world_size": 2,
+                                  "describe": "TP2 DP1 EP1 x1 replicas"}
     assert d["changed"] == pytest.approx(0.02 * d["params"])
     assert png.stat().st_size > 1000
+
+
+def test_cli_uneven_pipeline_flags_set_the_parallel_layout():
+    rc, out, _ = _cli("--model", "dense-tiny", "--pp", "2", "--first-stage-layers", "1", "--last-stage-layers", "3",
+                      "--density", "0.02", "--json")
+    assert rc == 0
+    t = json.loads(out)["trainer_layout"]
+    assert (t["num_layers_in_first_pipeline_stage"], t["num_layers_in_last_pipeline_stage"]) == (1, 3)
+    assert t["describe"] == "TP1 PP2(1/../3) EP1 ETP1 DP1"
 
 
 def test_cli_refuses_bad_layouts_and_densities_naming_them():
@@ -225,7 +241,7 @@ def test_calibration_document_round_trips(tmp_path):
 
 
 def test_hardware_share_of_host_cores_slows_host_kernels():
-    trainer, engine = TrainerLayout(tp=3, pp=2), EngineLayout()
+    trainer, engine = ParallelLayout(tp=3, pp=2), EngineDeployment()
     fig = _fig(0.01)
     one = make_plan("smollm2", model_dims("smollm2"), _setup(trainer, engine), fig, spec=MegatronSpec())
     hw = replace(CPU_HOST, gpus_per_node=8, host_cores_per_node=12)

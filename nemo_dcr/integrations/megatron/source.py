@@ -221,10 +221,11 @@ def _ddp_ranges(chunks, local: Mapping[str, LocalParam]) -> dict[str, tuple[int,
     return out
 
 
-def source_from_model(model, *, vocab_size: int | None = None, first_stage_layers: int | None = None,
-                      last_stage_layers: int | None = None) -> MegatronSource | None:
+def source_from_model(model, *, vocab_size: int | None = None, num_layers_in_first_pipeline_stage: int | None = None,
+                      num_layers_in_last_pipeline_stage: int | None = None) -> MegatronSource | None:
     """The source of megatron-core chunks (a list of GPTModel, possibly wrapped), or None for
-    anything else (so other registered frameworks get their turn)."""
+    anything else (so other registered frameworks get their turn).  The uneven-pipeline knobs are
+    megatron's (and :class:`~nemo_dcr.layout.ParallelLayout`'s) fields of the same names."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if not chunks or not all(type(unwrap(c)).__module__.startswith("megatron.") for c in chunks):
         return None
@@ -232,5 +233,5 @@ def source_from_model(model, *, vocab_size: int | None = None, first_stage_layer
     from .describe import dims_from_model, layer_spec
 
     dims = dims_from_model(list(chunks), vocab_size)
-    layout = parallel_layout_from_state(first_stage_layers, last_stage_layers)
+    layout = parallel_layout_from_state(num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage)
     return MegatronSource(list(chunks), dims, layout, layer_spec(list(chunks)))

@@ -31,8 +31,8 @@ def rank_coords() -> dict[str, int]:
     )
 
 
-def parallel_layout_from_state(first_stage_layers: int | None = None,
-                               last_stage_layers: int | None = None):
+def parallel_layout_from_state(num_layers_in_first_pipeline_stage: int | None = None,
+                               num_layers_in_last_pipeline_stage: int | None = None):
     """This rank's :class:`~nemo_dcr.layout.ParallelLayout` from ``parallel_state``.
 
     Reads the initialized megatron groups (call after ``initialize_model_parallel``); the
@@ -44,8 +44,8 @@ def parallel_layout_from_state(first_stage_layers: int | None = None,
         tp=c["tp"], pp=c["pp"], vpp=c["vpp"], ep=c["ep"], etp=c["etp"], dp=c["dp"],
         tp_rank=c["tp_rank"], pp_rank=c["pp_rank"], ep_rank=c["ep_rank"],
         etp_rank=c["etp_rank"], dp_rank=c["dp_rank"],
-        num_layers_in_first_pipeline_stage=first_stage_layers,
-        num_layers_in_last_pipeline_stage=last_stage_layers,
+        num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
     )
 
 

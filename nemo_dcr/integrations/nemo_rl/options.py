@@ -1,93 +1,88 @@
 """The plugin's settings: the keys of ``policy.generation.refit_cfg["<selector>"]`` in NeMo-RL's config.
 
-NeMo-RL builds the engine as ``DcrCheckpointEngine(bucket_size=..., **engine_kwargs)`` where
+The keys are :class:`~nemo_dcr.config.DcrConfig`'s fields, with its names and units
+(``bucket_size_mb``, ``reply_timeout_s``, ``engine_index``, ...), read by
+:meth:`DcrConfig.from_mapping` (an unknown key or a wrong type is refused naming it).  NeMo-RL
+builds the engine as ``DcrCheckpointEngine(bucket_size=..., **engine_kwargs)`` where
 ``engine_kwargs`` are every key of ``refit_cfg[<selector>]`` except
-``update_weights_bucket_memory_ratio`` (NeMo-RL sizes ``bucket_size`` from it), plus
-``release_after_refit`` (NeMo-RL's own flag, always passed).  An unknown key is refused naming it.
+``update_weights_bucket_memory_ratio`` (NeMo-RL sizes ``bucket_size``, in bytes, from it), plus
+``release_after_refit`` (NeMo-RL's own flag, always passed); :meth:`PluginOptions.parse` maps
+those two here and nowhere else.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
 
-from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.config.schema import ConfigError, DcrConfig
 
 SELECTOR = "nemo_dcr.integrations.nemo_rl:DcrCheckpointEngine"
 """The ``policy.generation.refit_transport`` value that selects this plugin."""
+PREFIX = f"refit_cfg['{SELECTOR}']"
+"""How errors name the plugin's settings."""
+
+FIXED = {
+    "transport": ("store", "the policy and vLLM workers meet only in a shared folder (url), so payloads and "
+                           "the policy workers' collectives travel over the store transport"),
+    "engine_format": ("bf16", "the vLLM workers' live params are refitted as the canonical BF16 tensors"),
+}
+"""Settings the plugin fixes: key -> (value, why).  A user key asking for another value is refused."""
+DEFAULTS = {"reply_timeout_s": 600.0}
+"""The plugin's own defaults (a user key wins): the first sync of a session sends every tensor
+through a shared folder.  ``bucket_size_mb`` defaults to NeMo-RL's ``bucket_size`` and
+``telemetry_dir`` to ``url``."""
 
 
 @dataclass(frozen=True)
 class PluginOptions:
-    """Settings of :class:`~nemo_dcr.integrations.nemo_rl.plugin.DcrCheckpointEngine`."""
+    """Settings of :class:`~nemo_dcr.integrations.nemo_rl.plugin.DcrCheckpointEngine`.
 
-    url: str
-    """Folder (or fsspec URL) every policy and vLLM worker can read and write; one job per url."""
-    key_file: str
-    """HMAC key file (>= 16 raw bytes), the same on every worker: authenticates every message."""
-    bucket_size: int = 1 << 30
-    """Bytes per payload part (NeMo-RL's ``bucket_size``): bounds what one message carries."""
-    encoding: str = "dcr"
-    """Payload encoding: ``dcr``, ``reference`` or ``raw``."""
-    timeout_s: float = 600.0
-    """Longest wait for a peer's message (policy: an engine's reply or another policy worker's
-    part of a collective; rollout: the next message of a sync), then a timeout error."""
-    verify_interval: int = 1
-    """Compare trainer and engine checksums every N syncs (0: never)."""
-    full_verify_interval: int = 10
-    """Full checksum scans on both sides every N syncs (0: never)."""
-    full_resync_interval: int = 0
-    """Send every tensor whole every N syncs (0: only when a check fails)."""
-    baseline: str = "device"
-    """Where each policy worker keeps the capture baseline of the tensors it owns: ``device``
-    (next to its CPU copy of them), ``pinned``, or ``file`` (``baseline_dir``)."""
-    baseline_dir: str | None = None
-    """Folder of the ``file`` baseline (local to each policy worker)."""
-    rollout_index: bool = True
-    """vLLM workers keep a ``dcr`` class index of the tensors they hold (host memory, about 2.3
-    bytes per element: decoding then costs in proportion to the changes); false: no such memory,
-    each refit ranks the touched tensors again."""
-    telemetry: bool = True
-    """Policy rank 0 appends one JSON line per sync to ``<url>/telemetry.jsonl``."""
+    Attributes:
+        dcr: the refit's settings (``url``: the folder every policy and vLLM worker reads and
+            writes, one job per url; ``key_file``: the HMAC key, the same on every worker;
+            ``telemetry_dir``: policy rank 0 appends one JSON line per sync to its
+            ``telemetry.jsonl``, None: not).
+        release_after_refit: NeMo-RL's flag: it calls ``finalize()`` after every sync (nothing to
+            release here).
+    """
+
+    dcr: DcrConfig
     release_after_refit: bool = False
-    """NeMo-RL's flag: it calls ``finalize()`` after every sync (nothing to release here)."""
 
     @classmethod
-    def parse(cls, bucket_size: int, kwargs: dict) -> "PluginOptions":
+    def parse(cls, bucket_size: int, kwargs: Mapping[str, Any]) -> PluginOptions:
         """From NeMo-RL's constructor arguments.
 
         Raises:
-            ValueError: an unknown or missing key, or a value out of range (named).
+            ConfigError: an unknown key, a wrong type, a value out of range or one that conflicts
+                with :data:`FIXED` (named).
         """
-        known = {f.name for f in fields(cls)} - {"bucket_size"}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown refit_cfg keys for {SELECTOR}: {unknown}; known: {sorted(known)} "
-                             "(and NeMo-RL's update_weights_bucket_memory_ratio)")
-        for k in ("url", "key_file"):
-            if not kwargs.get(k):
-                raise ValueError(f"refit_cfg['{SELECTOR}'].{k} is required")
-        opts = cls(bucket_size=int(bucket_size), **kwargs)
-        opts.dcr_config("check")  # value checks, with DcrConfig's messages
-        return opts
+        settings = dict(kwargs)
+        release = settings.pop("release_after_refit", False)
+        if not isinstance(release, bool):
+            raise ConfigError(f"{PREFIX}.release_after_refit", f"must be bool, got {release!r}")
+        for key, (value, why) in FIXED.items():
+            if settings.get(key, value) != value:
+                raise ConfigError(f"{PREFIX}.{key}", f"the NeMo-RL plugin uses {value!r}, got "
+                                                     f"{settings[key]!r}: {why}")
+        if "bucket_size_mb" not in settings and not bucket_size >= 1:
+            raise ConfigError(f"{PREFIX}.bucket_size", f"NeMo-RL's bucket_size must be >= 1 byte, got {bucket_size}")
+        derived = {**DEFAULTS, "bucket_size_mb": bucket_size / 2**20, "telemetry_dir": settings.get("url")}
+        settings.update({k: v for k, v in derived.items() if k not in settings})  # the user's keys first
+        settings.update({k: v for k, (v, _) in FIXED.items()})
+        return cls(DcrConfig.from_mapping(settings, PREFIX), release)
 
-    def dcr_config(self, folder: str) -> DcrConfig:
-        """The ``dcr`` settings of one session's refit (store transport in ``folder``)."""
-        if self.bucket_size < 1:
-            raise ValueError(f"bucket_size must be >= 1 byte, got {self.bucket_size}")
-        cfg = DcrConfig(encoding=self.encoding, transport="store", url=folder, baseline=self.baseline,
-                        baseline_dir=self.baseline_dir, verify_interval=self.verify_interval,
-                        full_verify_interval=self.full_verify_interval, full_resync_interval=self.full_resync_interval,
-                        bucket_size_mb=self.bucket_size / 2**20, reply_timeout_s=self.timeout_s,
-                        key_file=self.key_file, telemetry_encodings=[])
-        cfg.validate(prefix=f"refit_cfg['{SELECTOR}']")
-        return cfg
+    def session_config(self, folder: str) -> DcrConfig:
+        """The ``dcr`` settings of one session's refit (its store transport in ``folder``)."""
+        return replace(self.dcr, url=folder)
 
     def append_telemetry(self, row: dict) -> None:
-        """Append ``row`` as one JSON line to ``<url>/telemetry.jsonl`` (a warning if the store refuses)."""
+        """Append ``row`` as one JSON line to ``<telemetry_dir>/telemetry.jsonl`` (a warning if the store refuses)."""
         import fsspec
 
-        path = f"{self.url.rstrip('/')}/telemetry.jsonl"
+        path = f"{self.dcr.telemetry_dir.rstrip('/')}/telemetry.jsonl"
         try:
             with fsspec.open(path, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")

@@ -42,15 +42,16 @@ class DcrCheckpointEngine:
     """NeMo-RL checkpoint engine (``refit_transport: "module:Class"`` seam); see the module docstring.
 
     Args:
-        bucket_size: bytes (NeMo-RL sizes it from GPU memory): the most one payload part carries.
-        **refit_cfg: the keys of :class:`~.options.PluginOptions` (``url`` and ``key_file`` required).
+        bucket_size: bytes (NeMo-RL sizes it from GPU memory): the default of ``bucket_size_mb``.
+        **refit_cfg: :class:`~nemo_dcr.config.DcrConfig` fields (``url`` and ``key_file`` required) and
+            NeMo-RL's ``release_after_refit`` (:meth:`~.options.PluginOptions.parse`).
     """
 
     shard_expert_weights = False
 
     def __init__(self, bucket_size: int, **refit_cfg: Any):
         self.options = PluginOptions.parse(bucket_size, refit_cfg)
-        self.key = read_key_file(self.options.key_file)
+        self.key = read_key_file(self.options.dcr.key_file)
         self.nonce = new_nonce()
         self.policy: PolicySide | None = None
         self.rollout: RolloutSide | None = None
@@ -83,7 +84,7 @@ class DcrCheckpointEngine:
         return rollout_metadata(self.nonce, table, placement_to_json(placement))
 
     def _topology(self, metadata: list, train_world: int, rollout_world: int, index: int) -> Topology:
-        topo = Topology.from_metadata(self.options.url, metadata, train_world, rollout_world)
+        topo = Topology.from_metadata(self.options.dcr.url, metadata, train_world, rollout_world)
         if topo.nonces[index] != self.nonce:
             raise ValueError(f"metadata entry {index} is another engine's: NeMo-RL's metadata order does not match "
                              "the ranks it passed")
@@ -107,8 +108,8 @@ class DcrCheckpointEngine:
             return
         if self._engine is None:
             self._engine = build_engine(self._worker, self._probe, topo, rollout_rank, self.key,
-                                        self.options.rollout_index)
-        self.rollout = RolloutSide(self._engine, topo, rollout_rank, self.key, self.options.timeout_s)
+                                        self.options.dcr.engine_index)
+        self.rollout = RolloutSide(self._engine, topo, rollout_rank, self.key, self.options.dcr.reply_timeout_s)
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One sync from this policy worker (blocking: the refit is collective over the policy

@@ -57,12 +57,12 @@ class PolicySide:
         held = dict(held or {})
         self.held = {n: held[n] if n in held and self._fits(n, held[n]) else self._empty(n) for n in self.owned}
         self.transport = SyncTransport(topo.folder, rank, key, topo.session)
-        self.group = TransportGroup(self.transport, range(topo.train_world), options.timeout_s)
+        self.group = TransportGroup(self.transport, range(topo.train_world), options.dcr.reply_timeout_s)
         self.refit: DeltaRefit | None = None
         self.syncs = 0
         self.last: RefitReport | None = None
         if rank == 0:
-            remove_other_sessions(options.url, topo.session)
+            remove_other_sessions(options.dcr.url, topo.session)
 
     def _empty(self, name: str) -> torch.Tensor:
         dtype, shape = self.topo.table[name]
@@ -100,7 +100,7 @@ class PolicySide:
 
     def _refit_once(self) -> RefitReport:
         if self.refit is None:
-            cfg = self.options.dcr_config(self.topo.folder)
+            cfg = self.options.session_config(self.topo.folder)
             source = CanonicalSource(self.held, canonical=self.topo.table)
             wiring = engine_wiring(self.transport, range(self.topo.train_world),
                                    range(self.topo.train_world, self.topo.train_world + self.topo.rollout_world),
@@ -156,13 +156,13 @@ class PolicySide:
                     raise
 
     def _log(self, r: RefitReport, seconds: float) -> None:
-        """One ``[nemo-dcr refit]`` line on stdout and one JSON line in ``<url>/telemetry.jsonl``."""
+        """One ``[nemo-dcr refit]`` line on stdout and one JSON line in ``<telemetry_dir>/telemetry.jsonl``."""
         ratio = r.dense_bytes / r.payload_bytes if r.payload_bytes else float("inf")
         print(f"[nemo-dcr refit] sync {self.syncs} {r.mode} -> v{r.version}: changed {r.changed}/{r.numel} "
               f"({100 * r.density:.3f}%), payload {r.payload_bytes / 2**20:.3f} MiB vs dense "
               f"{r.dense_bytes / 2**20:.1f} MiB (x{ratio:.1f}), verified={r.verified}, resynced={r.resynced}, "
               f"{seconds:.2f}s" + (f"; handled: {'; '.join(r.detected)[:300]}" if r.detected else ""), flush=True)
-        if self.options.telemetry:
+        if self.options.dcr.telemetry_dir:
             row = {"time": time.time(), "session": self.topo.session, "sync": self.syncs, "seconds": seconds,
                    **{k: v for k, v in asdict(r).items() if k != "verify"}, "verified": r.verified}
             self.options.append_telemetry(row)

@@ -70,9 +70,11 @@ class VllmEngine:
         shapes: canonical tensor name -> shape (what payload records name).
         key: HMAC key every payload must carry.
         version: the version the loaded weights are.
+        keep_index: every rank keeps ``dcr`` class indexes (``dcr.engine_index``).
     """
 
-    def __init__(self, llm, shapes: Mapping[str, Sequence[int]], key: bytes | None = None, version: int = 0):
+    def __init__(self, llm, shapes: Mapping[str, Sequence[int]], key: bytes | None = None, version: int = 0,
+                 keep_index: bool = True):
         self.llm = llm
         self.tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         if llm.llm_engine.vllm_config.parallel_config.pipeline_parallel_size != 1:
@@ -82,7 +84,7 @@ class VllmEngine:
         ranks = assign_primary([placement_from_json(p["placement"]) for p in self.probed])
         check_coverage(ranks, self.shapes)
         self._placements = [placement_to_json(r) for r in ranks]
-        llm.collective_rpc("dcr_attach", args=(self._placements, key, version))
+        llm.collective_rpc("dcr_attach", args=(self._placements, key, version, keep_index))
         self.guard = VersionGuard(version)
         self.last_apply: list[dict] = []
         """Per rank, seconds its last prepare took (decode, validate, write, verify, repack)."""
@@ -92,13 +94,14 @@ class VllmEngine:
 
     @classmethod
     def start(cls, model: str, tensor_parallel_size: int = 1, key: bytes | None = None, version: int = 0,
-              shapes: Mapping[str, Sequence[int]] | None = None, **llm_kwargs) -> "VllmEngine":
+              shapes: Mapping[str, Sequence[int]] | None = None, keep_index: bool = True,
+              **llm_kwargs) -> "VllmEngine":
         """Start ``vllm.LLM`` on ``model`` (an HF folder) with the worker extension and attach.
 
         Args:
             model: HF model folder (``config.json`` with ``architectures``, safetensors weights).
             tensor_parallel_size: engine TP ranks.
-            key, version: see the class.
+            key, version, keep_index: see the class.
             shapes: canonical shapes (default: read from ``model``'s safetensors headers).
             **llm_kwargs: more ``vllm.LLM`` arguments (``load_format="dummy"``, ``tokenizer``, ...);
                 defaults: ``dtype="bfloat16"``, ``enforce_eager=True``, ``max_model_len=512``.
@@ -110,7 +113,7 @@ class VllmEngine:
         kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
         llm = vllm.LLM(model=model, tensor_parallel_size=tensor_parallel_size,
                        worker_extension_cls=WORKER_EXTENSION, **kwargs)
-        return cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version)
+        return cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes exit)."""

@@ -107,7 +107,8 @@ class DcrWorkerExtension:
         return dict(placement=placement, aliases=aliases(model), packed=sorted(cpu.PackedExperts.find(model)),
                     params={n: list(p.shape) for n, p in model.named_parameters()})
 
-    def dcr_attach(self, placements: Sequence[dict], key: bytes | None = None, version: int = 0) -> dict:
+    def dcr_attach(self, placements: Sequence[dict], key: bytes | None = None, version: int = 0,
+                   keep_index: bool = True) -> dict:
         """Build the engine over the live params from this rank's entry of ``placements``.
 
         Raises:
@@ -124,7 +125,7 @@ class DcrWorkerExtension:
         params = {n: p.data for n, p in model.named_parameters()}
         params.update({n: layer.unpacked[n] for n, layer in self.dcr_packed.items()})
         mine = placement_from_json(placements[self.rank])
-        self.dcr_engine = RoutedEngine(params, mine, version, key)
+        self.dcr_engine = RoutedEngine(params, mine, version, key, keep_index)
         self.dcr_fill_undo = UndoLog()
         return dict(rank=self.rank, tensors=len(mine), version=version)
 

@@ -70,7 +70,7 @@ def engine_main(cfg: ChaosConfig) -> None:
     dims = model_dims(cfg.model)
     shapes = canonical_shapes(dims.family, dims)
     engine = TensorEngine({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()},
-                          key=KEY if cfg.keyed else None)
+                          key=KEY if cfg.keyed else None, keep_index=_dcr_config().engine_index)
     server = EngineServer(engine, _transport(cfg, cfg.trainers), list(range(cfg.trainers)))
     arm = Path(cfg.workdir, "crash.arm")  # out-of-band fault control: trainer rank 0 arms a crash
     crashed = []

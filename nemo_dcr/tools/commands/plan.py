@@ -17,12 +17,18 @@ import argparse
 import json
 from pathlib import Path
 
-LAYOUT_FLAGS = {"tp": "trainer", "pp": "trainer", "vpp": "trainer", "ep": "trainer", "etp": "trainer",
-                "dp": "trainer", "first_stage_layers": "trainer", "last_stage_layers": "trainer",
-                "engine_tp": "engine", "engine_ep": "engine", "engine_dp": "engine", "engine_replicas": "engine",
-                "nvlink_gbps": "links", "ib_gbps": "links", "cross_cluster_gbps": "links",
-                "object_store_gbps": "links", "gpus_per_node": "hardware", "host_cores": "hardware",
-                "codec_device": "hardware"}
+LAYOUT_FLAGS = {"tp": ("trainer", "tp"), "pp": ("trainer", "pp"), "vpp": ("trainer", "vpp"), "ep": ("trainer", "ep"),
+                "etp": ("trainer", "etp"), "dp": ("trainer", "dp"),
+                "first_stage_layers": ("trainer", "num_layers_in_first_pipeline_stage"),
+                "last_stage_layers": ("trainer", "num_layers_in_last_pipeline_stage"),
+                "engine_tp": ("engine", "tp"), "engine_ep": ("engine", "ep"), "engine_dp": ("engine", "dp"),
+                "engine_replicas": ("engine", "replicas"), "nvlink_gbps": ("links", "nvlink_gbps"),
+                "ib_gbps": ("links", "ib_gbps"), "cross_cluster_gbps": ("links", "cross_cluster_gbps"),
+                "object_store_gbps": ("links", "object_store_gbps"), "gpus_per_node": ("hardware", "gpus_per_node"),
+                "host_cores": ("hardware", "host_cores_per_node"), "codec_device": ("hardware", "codec_device")}
+"""Flag (argparse dest) -> (part of the setup, field it sets): the trainer's are
+:class:`~nemo_dcr.layout.ParallelLayout` fields, the engine's
+:class:`~nemo_dcr.tools.planner.inputs.EngineDeployment` fields."""
 
 
 def register(subparsers) -> None:
@@ -81,10 +87,9 @@ def _setup(args, model: str):
     from nemo_dcr.tools.planner.presets import preset_for, with_overrides
 
     groups: dict[str, dict] = {"trainer": {}, "engine": {}, "links": {}, "hardware": {}}
-    for flag, group in LAYOUT_FLAGS.items():
+    for flag, (group, name) in LAYOUT_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
-            name = {"host_cores": "host_cores_per_node"}.get(flag, flag.removeprefix("engine_"))
             groups[group][name] = value
     base = preset_for(model, args.preset)
     return with_overrides(base, groups["trainer"], groups["engine"], groups["links"], groups["hardware"],

@@ -41,7 +41,8 @@ def _build(kind: str, hf_dir: Path, key: bytes | None, dcr):
     if kind == "vllm":
         from nemo_dcr.integrations.vllm.engine import VllmEngine
 
-        return VllmEngine.start(str(hf_dir), key=key, max_model_len=512, max_num_seqs=16), tokenizer
+        return VllmEngine.start(str(hf_dir), key=key, keep_index=dcr.engine_index, max_model_len=512,
+                                max_num_seqs=16), tokenizer
     return build_hf_engine(hf_dir, key, dcr), tokenizer
 
 

@@ -70,12 +70,11 @@ def init_distributed(tp: int, pp: int, ep: int = 1, etp: int | None = None,
 
 
 def transformer_config(dims: ModelDims, dtype: torch.dtype, pp: int, vpp: int | None = None,
-                       first_stage_layers: int | None = None,
-                       last_stage_layers: int | None = None):
+                       num_layers_in_first_pipeline_stage: int | None = None,
+                       num_layers_in_last_pipeline_stage: int | None = None):
     """The megatron ``TransformerConfig`` (or ``MLATransformerConfig``) of a model description.
 
-    ``first_stage_layers`` / ``last_stage_layers`` are megatron's uneven-pipeline knobs
-    (``num_layers_in_{first,last}_pipeline_stage``; None: even split).
+    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` are megatron's uneven-pipeline knobs (None: even split).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
@@ -90,8 +89,8 @@ def transformer_config(dims: ModelDims, dtype: torch.dtype, pp: int, vpp: int | 
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
-        num_layers_in_first_pipeline_stage=first_stage_layers,
-        num_layers_in_last_pipeline_stage=last_stage_layers,
+        num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
@@ -128,8 +127,8 @@ def _megatron_qk_layernorm(dims: ModelDims) -> bool:
 
 
 def build_gpt_model(dims: ModelDims, dtype: torch.dtype = torch.bfloat16,
-                    vpp: int | None = None, first_stage_layers: int | None = None,
-                    last_stage_layers: int | None = None) -> list[torch.nn.Module]:
+                    vpp: int | None = None, num_layers_in_first_pipeline_stage: int | None = None,
+                    num_layers_in_last_pipeline_stage: int | None = None) -> list[torch.nn.Module]:
     """Build this rank's GPTModel chunk(s) (one per virtual pipeline stage).
 
     Call :func:`init_distributed` first.  Returns a list of length ``vpp`` (1 without
@@ -146,8 +145,8 @@ def build_gpt_model(dims: ModelDims, dtype: torch.dtype = torch.bfloat16,
         dims: the model.
         dtype: parameter dtype.
         vpp: model chunks per pipeline stage (None: ``parallel_state``'s virtual size).
-        first_stage_layers: layers on the first pipeline stage (uneven pipeline).
-        last_stage_layers: layers on the last pipeline stage (uneven pipeline).
+        num_layers_in_first_pipeline_stage: layers on the first pipeline stage (uneven pipeline).
+        num_layers_in_last_pipeline_stage: layers on the last pipeline stage (uneven pipeline).
 
     Raises:
         ValueError: uneven first *and* last stage with ``pp == 2`` and ``vpp > 1``:
@@ -162,11 +161,11 @@ def build_gpt_model(dims: ModelDims, dtype: torch.dtype = torch.bfloat16,
     if vpp is None:
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     vpp = vpp if vpp and vpp > 1 else None
-    if vpp and pp == 2 and first_stage_layers is not None and last_stage_layers is not None:
+    if vpp and pp == 2 and num_layers_in_first_pipeline_stage is not None and num_layers_in_last_pipeline_stage is not None:
         raise ValueError(
             "uneven first and last stage with pp=2 and vpp>1: megatron-core 0.16.1's "
             "get_transformer_layer_offset divides by zero middle stages; set only one of them")
-    config = transformer_config(dims, dtype, pp, vpp, first_stage_layers, last_stage_layers)
+    config = transformer_config(dims, dtype, pp, vpp, num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage)
     spec = get_gpt_layer_local_spec(
         num_experts=dims.num_experts or None, moe_grouped_gemm=False,
         qk_layernorm=_megatron_qk_layernorm(dims), multi_latent_attention=dims.multi_latent_attention,

@@ -80,10 +80,11 @@ def _compare(engine: TensorEngine | None, ref: dict | None) -> list[str]:
     return bad + [n for n in live if n not in ref]
 
 
-def _empty_engine(source) -> TensorEngine:
+def _empty_engine(source, cfg: DcrConfig) -> TensorEngine:
     from nemo_dcr.types import DTYPES
 
-    return TensorEngine({n: torch.zeros(s, dtype=DTYPES[d].torch_dtype) for n, (d, s) in source.canonical.items()})
+    return TensorEngine({n: torch.zeros(s, dtype=DTYPES[d].torch_dtype) for n, (d, s) in source.canonical.items()},
+                        keep_index=cfg.engine_index)
 
 
 def _train(args, dims, chunks, real: bool, opt, gen, step: int) -> None:
@@ -99,7 +100,7 @@ def run(args) -> dict:
     dims = model_dims(args.model, args.layers)
     etp = args.etp or (args.tp if dims.num_experts else 1)  # dense models: expert-TP 1
     am.init_distributed(args.tp, args.pp, args.ep, etp, vpp=args.vpp)
-    uneven = dict(first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+    uneven = dict(num_layers_in_first_pipeline_stage=args.first_stage_layers, num_layers_in_last_pipeline_stage=args.last_stage_layers)
     chunks = am.build_gpt_model(dims, torch.bfloat16, vpp=args.vpp, **uneven)
     if args.checkpoint:
         load_hf(chunks, load_checkpoint(args.checkpoint), dims)
@@ -107,9 +108,9 @@ def run(args) -> dict:
         chunks = _wrap_ddp(chunks)
     source = source_from_model(chunks, vocab_size=dims.vocab_size, **uneven)
     stage_layers = check_chunks(chunks, source.plans, dims)
-    engine = _empty_engine(source) if dist.get_rank() == 0 else None
-    refit = DeltaRefit.from_config(DcrConfig(encoding=args.encoding, full_verify_interval=1), source,
-                                   engine=engine, engine_rank=0)
+    cfg = DcrConfig(encoding=args.encoding, full_verify_interval=1)
+    engine = _empty_engine(source, cfg) if dist.get_rank() == 0 else None
+    refit = DeltaRefit.from_config(cfg, source, engine=engine, engine_rank=0)
     trainable = not dims.num_experts and len(chunks) == 1 and not args.ddp
     if args.train == "real" and not trainable:
         raise SystemExit("--train real: needs a dense model, vpp == 1 and no --ddp on CPU")

@@ -13,9 +13,9 @@ time comes from measured CPU kernel figures, named GPU assumptions and measured 
 
 from nemo_dcr.tools.planner.cost import Figures
 from nemo_dcr.tools.planner.figures import default_figures
-from nemo_dcr.tools.planner.inputs import EngineLayout, Hardware, Links, PlanSetup, TrainerLayout
+from nemo_dcr.tools.planner.inputs import EngineDeployment, Hardware, Links, PlanSetup
 from nemo_dcr.tools.planner.estimate import Plan, make_plan, rank_shares, what_it_takes
 from nemo_dcr.tools.planner.presets import PRESETS, preset_for
 
-__all__ = ["EngineLayout", "Figures", "Hardware", "Links", "PRESETS", "Plan", "PlanSetup", "TrainerLayout",
-           "default_figures", "make_plan", "preset_for", "rank_shares", "what_it_takes"]
+__all__ = ["EngineDeployment", "Figures", "Hardware", "Links", "PRESETS", "Plan", "PlanSetup", "default_figures",
+           "make_plan", "preset_for", "rank_shares", "what_it_takes"]

@@ -29,7 +29,7 @@ from .work import TensorTable
 def export_seconds(model_bytes: float, tensors: int, setup: PlanSetup, fig: Figures) -> tuple[float, str]:
     """Full export: every GPU sees every tensor (NVLink), every node receives what it lacks (IB), one
     collective per canonical tensor (its latency), and one conversion pass over the model."""
-    links, nodes = setup.links, math.ceil(setup.trainer.world / setup.hardware.gpus_per_node)
+    links, nodes = setup.links, math.ceil(setup.trainer.world_size / setup.hardware.gpus_per_node)
     nv = model_bytes / (links.nvlink_gbps * GBIT)
     ib = model_bytes * (1 - 1 / nodes) / (links.ib_gbps * GBIT) if nodes > 1 else 0.0
     lat = links.ib_latency_s if nodes > 1 else links.nvlink_latency_s
@@ -49,7 +49,7 @@ def dense_refit(table: TensorTable, tc: TensorCosts, trainers: list[RankCost], e
     """Seconds and bytes of a dense refit through the same links."""
     model_bytes = float(table.numel.sum()) * ELEMENT_BYTES
     export, export_bound = export_seconds(model_bytes, len(table.names), setup, fig)
-    out_b = table.by_owner(table.numel * ELEMENT_BYTES * tc.views, setup.trainer.world)
+    out_b = table.by_owner(table.numel * ELEMENT_BYTES * tc.views, setup.trainer.world_size)
     in_b = np.array([sum(c.share.canonical.values()) * ELEMENT_BYTES for c in engines], float)
     send = send_transfer(trainers, engines, setup, out_b, in_b)
     load = float(in_b.max()) / (_load_kernels(setup, fig).memcpy_gbps * 1e9)
@@ -63,7 +63,7 @@ def dense_refit(table: TensorTable, tc: TensorCosts, trainers: list[RankCost], e
 def export_then_diff(table: TensorTable, tc_ref: TensorCosts, trainers: list[RankCost], engines: list[RankCost],
                      setup: PlanSetup, fig: Figures) -> dict:
     """Seconds, bytes and memory of NeMo-RL's sparse refit design on the same job."""
-    producers = setup.trainer.world
+    producers = setup.trainer.world_size
     model_bytes = float(table.numel.sum()) * ELEMENT_BYTES
     export, export_bound = export_seconds(model_bytes, len(table.names), setup, fig)
     chunk = model_bytes / producers

@@ -79,8 +79,8 @@ class Phase:
 def _shares(setup: PlanSetup) -> tuple[float, float]:
     """Core share of one trainer rank and one engine rank for host kernels."""
     hw = setup.hardware
-    per_node_t = min(hw.gpus_per_node, setup.trainer.world)
-    per_node_e = min(hw.gpus_per_node, setup.engine.world)
+    per_node_t = min(hw.gpus_per_node, setup.trainer.world_size)
+    per_node_e = min(hw.gpus_per_node, setup.engine.world_size)
     return min(1.0, hw.host_cores_per_node / per_node_t), min(1.0, hw.host_cores_per_node / per_node_e)
 
 
@@ -111,7 +111,7 @@ class TensorCosts:
 def trainer_costs(shares: list[RankShare], table: TensorTable, tc: TensorCosts, setup: PlanSetup,
                   fig: Figures) -> list[RankCost]:
     """Per trainer rank: capture, remap, route, encode seconds; payload sent; memory."""
-    world = setup.trainer.world
+    world = setup.trainer.world_size
     enc_factor = tc.views if tc.routed and setup.encode_per_view else np.ones_like(tc.views)
     owned_el = table.by_owner(table.numel.astype(float), world)
     owned_ch = table.by_owner(tc.changes, world)
@@ -179,7 +179,7 @@ def send_transfer(trainers: list[RankCost], engines: list[RankCost], setup: Plan
     """Owners -> engine ranks (``out_bytes``/``in_bytes`` override the delta payloads: dense refit)."""
     out_b = np.array([c.payload_bytes for c in trainers]) if out_bytes is None else out_bytes
     in_b = np.array([c.payload_bytes for c in engines]) if in_bytes is None else in_bytes
-    local = local_share(setup, setup.trainer.world) if setup.placement == "colocated" else 0.0
+    local = local_share(setup, setup.trainer.world_size) if setup.placement == "colocated" else 0.0
     return transfer(out_b, _nodes(trainers), in_b, _nodes(engines), setup.links, network_tier(setup), local,
                     ("trainer", "engine"))
 
@@ -189,7 +189,7 @@ def route_transfer(trainers: list[RankCost], setup: PlanSetup) -> Transfer:
     out_b = np.array([c.changes * ROUTE_BYTES for c in trainers])
     in_b = np.array([c.owned_changes * ROUTE_BYTES for c in trainers])
     nodes = _nodes(trainers)
-    return transfer(out_b, nodes, in_b, nodes, setup.links, "ib", local_share(setup, setup.trainer.world),
+    return transfer(out_b, nodes, in_b, nodes, setup.links, "ib", local_share(setup, setup.trainer.world_size),
                     ("trainer", "owner"), store=False)
 
 
@@ -200,7 +200,7 @@ def add_link_seconds(trainers: list[RankCost], engines: list[RankCost], setup: P
     links = setup.links
     tier = network_tier(setup)
     bw = {"ib": links.ib_gbps, "cross_cluster": links.cross_cluster_gbps or 0.0}
-    route_local = local_share(setup, setup.trainer.world)
+    route_local = local_share(setup, setup.trainer.world_size)
     send_local = route_local if setup.placement == "colocated" else 0.0
     for side, costs in (("trainer", trainers), ("engine", engines)):
         for c in costs:
@@ -220,10 +220,10 @@ def _slowest(costs: list[RankCost], phases: tuple[str, ...]) -> tuple[float, str
 
 def ack_seconds(setup: PlanSetup) -> float:
     """Acknowledgement plus the checksum all-reduce over the trainer ranks (latency bound)."""
-    nodes = math.ceil(setup.trainer.world / setup.hardware.gpus_per_node)
+    nodes = math.ceil(setup.trainer.world_size / setup.hardware.gpus_per_node)
     lat = setup.links.ib_latency_s if nodes > 1 else setup.links.nvlink_latency_s
     reply = setup.links.cross_cluster_latency_s if setup.placement == "cross-cluster" else lat
-    return reply + 2 * math.ceil(math.log2(max(setup.trainer.world, 2))) * lat
+    return reply + 2 * math.ceil(math.log2(max(setup.trainer.world_size, 2))) * lat
 
 
 def critical_path(trainers: list[RankCost], engines: list[RankCost], setup: PlanSetup) -> list[Phase]:

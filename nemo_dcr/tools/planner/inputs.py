@@ -1,6 +1,7 @@
 """What a plan is asked about: the two layouts, the machines and the links (typed values).
 
-Sizes follow the layout package (:class:`~nemo_dcr.layout.ParallelLayout`); links are per GPU
+The trainer is a :class:`~nemo_dcr.layout.ParallelLayout` (its sizes; cp = 1), the engine an
+:class:`EngineDeployment` (replicas of a vLLM-style engine); links are per GPU
 (NVLink) or per node (InfiniBand, cross-cluster), in Gbit/s, with a latency per tier.  Named
 presets (:mod:`nemo_dcr.tools.planner.presets`) fill these for the models the planner knows.
 """
@@ -17,48 +18,9 @@ of the same cluster (InfiniBand), or in another cluster (the cross-cluster link 
 
 
 @dataclass(frozen=True)
-class TrainerLayout:
-    """Megatron-Core sizes of the trainer (cp = 1)."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    etp: int = 1
-    dp: int = 1
-    first_stage_layers: int | None = None
-    """Megatron's ``num_layers_in_first_pipeline_stage`` (None: even split)."""
-    last_stage_layers: int | None = None
-    """Megatron's ``num_layers_in_last_pipeline_stage`` (None: even split)."""
-
-    @property
-    def world(self) -> int:
-        """Trainer ranks (GPUs)."""
-        return self.tp * self.dp * self.pp
-
-    @property
-    def edp(self) -> int:
-        """Expert data-parallel size."""
-        return self.tp * self.dp // (self.ep * self.etp)
-
-    def layout(self, **coords) -> ParallelLayout:
-        """The :class:`ParallelLayout` with these sizes and the given rank coordinates."""
-        return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp, dp=self.dp,
-                              num_layers_in_first_pipeline_stage=self.first_stage_layers,
-                              num_layers_in_last_pipeline_stage=self.last_stage_layers, **coords)
-
-    def describe(self) -> str:
-        """``TP8 PP8(7/../6) EP32 ETP1 DP16`` style summary."""
-        pp = f"PP{self.pp}"
-        if self.first_stage_layers is not None or self.last_stage_layers is not None:
-            pp += f"({self.first_stage_layers or '='}/../{self.last_stage_layers or '='})"
-        vpp = f" VPP{self.vpp}" if self.vpp > 1 else ""
-        return f"TP{self.tp} {pp}{vpp} EP{self.ep} ETP{self.etp} DP{self.dp}"
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """Inference-engine sizes: one replica is ``tp * dp`` ranks; experts over ``ep`` of them.
+class EngineDeployment:
+    """How the inference engine is deployed: ``replicas`` copies of one engine of ``tp * dp`` ranks,
+    experts over ``ep`` of them (what :class:`~nemo_dcr.layout.ParallelLayout` does not describe).
 
     Follows vLLM: attention and dense layers are TP-sharded and replicated over the replica's
     data-parallel ranks; with expert parallelism (``ep > 1``) whole experts are split over ``ep``
@@ -76,7 +38,7 @@ class EngineLayout:
         return self.tp * self.dp
 
     @property
-    def world(self) -> int:
+    def world_size(self) -> int:
         """All engine ranks."""
         return self.per_replica * self.replicas
 
@@ -136,8 +98,9 @@ class Hardware:
 class PlanSetup:
     """Everything a plan needs besides the model and the measured figures."""
 
-    trainer: TrainerLayout
-    engine: EngineLayout
+    trainer: ParallelLayout
+    """Megatron-Core sizes of the trainer (rank coordinates unused; cp = 1)."""
+    engine: EngineDeployment
     links: Links = field(default_factory=Links)
     hardware: Hardware = field(default_factory=Hardware)
     placement: str = "cluster"
@@ -153,11 +116,14 @@ class PlanSetup:
             raise LayoutError(f"placement {self.placement!r}; known: {', '.join(PLACEMENTS)}")
         if self.placement == "cross-cluster" and not self.links.cross_cluster_gbps:
             raise LayoutError("placement cross-cluster needs --cross-cluster-gbps")
-        if self.placement == "colocated" and self.engine.world > self.trainer.world:
-            raise LayoutError(f"colocated engine of {self.engine.world} ranks on {self.trainer.world} trainer GPUs")
+        if self.placement == "colocated" and self.engine.world_size > self.trainer.world_size:
+            raise LayoutError(f"colocated engine of {self.engine.world_size} ranks on {self.trainer.world_size} "
+                              "trainer GPUs")
         if self.hardware.codec_device not in ("cpu", "gpu"):
             raise LayoutError(f"codec device {self.hardware.codec_device!r}; known: cpu, gpu")
-        self.trainer.layout().validate(dims=dims)
+        if self.trainer.cp != 1:
+            raise LayoutError(f"trainer cp={self.trainer.cp}: the planner models cp = 1")
+        self.trainer.validate(dims=dims)
         e = self.engine
         if e.ep > 1 and e.per_replica % e.ep:
             raise LayoutError(f"engine ep={e.ep} must divide the replica's tp*dp = {e.per_replica}")

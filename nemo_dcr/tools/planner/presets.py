@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from nemo_dcr.layout import LayoutError
+from nemo_dcr.layout import LayoutError, ParallelLayout
 
-from .inputs import EngineLayout, Hardware, Links, PlanSetup, TrainerLayout
+from .inputs import EngineDeployment, Hardware, Links, PlanSetup
 
 H200_NODE = Hardware()
 CPU_HOST = Hardware(gpus_per_node=64, host_cores_per_node=os.cpu_count() or 1, codec_device="cpu", gpus=False,
@@ -24,22 +24,24 @@ LOOPBACK = Links(nvlink_gbps=8.0, nvlink_latency_s=1e-3, ib_gbps=8.0, ib_latency
 
 PRESETS: dict[str, PlanSetup] = {
     "kimi-k2-1024": PlanSetup(
-        TrainerLayout(tp=8, pp=8, ep=32, etp=1, dp=16, first_stage_layers=7, last_stage_layers=6),
-        EngineLayout(tp=8, dp=8, ep=64, replicas=4), preset="kimi-k2-1024"),
+        ParallelLayout(tp=8, pp=8, ep=32, etp=1, dp=16, num_layers_in_first_pipeline_stage=7,
+                       num_layers_in_last_pipeline_stage=6),
+        EngineDeployment(tp=8, dp=8, ep=64, replicas=4), preset="kimi-k2-1024"),
     "deepseek-v3-256": PlanSetup(
-        TrainerLayout(tp=8, pp=4, ep=32, etp=1, dp=8, first_stage_layers=16, last_stage_layers=13),
-        EngineLayout(tp=8, dp=4, ep=32, replicas=2), preset="deepseek-v3-256"),
+        ParallelLayout(tp=8, pp=4, ep=32, etp=1, dp=8, num_layers_in_first_pipeline_stage=16,
+                       num_layers_in_last_pipeline_stage=13),
+        EngineDeployment(tp=8, dp=4, ep=32, replicas=2), preset="deepseek-v3-256"),
     "qwen3-235b-128": PlanSetup(
-        TrainerLayout(tp=4, pp=2, ep=16, etp=1, dp=16), EngineLayout(tp=4, dp=4, ep=16, replicas=4),
+        ParallelLayout(tp=4, pp=2, ep=16, etp=1, dp=16), EngineDeployment(tp=4, dp=4, ep=16, replicas=4),
         preset="qwen3-235b-128"),
     "llama3-70b-64": PlanSetup(
-        TrainerLayout(tp=8, pp=2, dp=4), EngineLayout(tp=8, replicas=8), preset="llama3-70b-64"),
+        ParallelLayout(tp=8, pp=2, dp=4), EngineDeployment(tp=8, replicas=8), preset="llama3-70b-64"),
     "smollm2-main-job": PlanSetup(
-        TrainerLayout(tp=3, pp=2), EngineLayout(), links=LOOPBACK, hardware=CPU_HOST, placement="colocated",
+        ParallelLayout(tp=3, pp=2), EngineDeployment(), links=LOOPBACK, hardware=CPU_HOST, placement="colocated",
         preset="smollm2-main-job"),
-    "tiny-cpu": PlanSetup(TrainerLayout(), EngineLayout(), links=LOOPBACK, hardware=CPU_HOST,
+    "tiny-cpu": PlanSetup(ParallelLayout(), EngineDeployment(), links=LOOPBACK, hardware=CPU_HOST,
                           placement="colocated", preset="tiny-cpu"),
-    "generic-gpu": PlanSetup(TrainerLayout(), EngineLayout(), preset="generic-gpu"),
+    "generic-gpu": PlanSetup(ParallelLayout(), EngineDeployment(), preset="generic-gpu"),
 }
 """Preset name -> setup."""
 

@@ -38,8 +38,9 @@ def to_json(plan: Plan, extra: dict | None = None) -> dict:
     return {
         "model": plan.model, "params": plan.params, "preset": s.preset, "preset_note": PRESET_NOTES.get(
             s.preset.split("+")[0], ""),
-        "trainer_layout": {**vars(s.trainer), "world": s.trainer.world, "describe": s.trainer.describe()},
-        "engine_layout": {**vars(s.engine), "world": s.engine.world, "describe": s.engine.describe()},
+        "trainer_layout": {**s.trainer.sizes(), "world_size": s.trainer.world_size, "expert_dp": s.trainer.expert_dp,
+                           "describe": s.trainer.describe()},
+        "engine_layout": {**vars(s.engine), "world_size": s.engine.world_size, "describe": s.engine.describe()},
         "placement": s.placement, "links": vars(s.links), "hardware": vars(s.hardware),
         "density_by_layer_type": plan.tensors.density_by_kind,
         "bytes_per_changed_by_layer_type": plan.tensors.bpc_by_kind,
@@ -89,8 +90,8 @@ def table(plan: Plan, rows: int = 6, extra: dict | None = None) -> str:
     s = plan.setup
     lines = [f"nemo-dcr plan: {plan.model} ({plan.params / 1e9:.2f} B params), preset {s.preset}",
              f"  {PRESET_NOTES.get(s.preset.split('+')[0], '')}",
-             f"  trainer {s.trainer.describe()} = {s.trainer.world} ranks; engine {s.engine.describe()} = "
-             f"{s.engine.world} ranks; placement {s.placement}; codec on {s.hardware.codec_device}",
+             f"  trainer {s.trainer.describe()} = {s.trainer.world_size} ranks; engine {s.engine.describe()} = "
+             f"{s.engine.world_size} ranks; placement {s.placement}; codec on {s.hardware.codec_device}",
              f"  density {plan.changed / plan.params:.3%} -> {plan.changed:,.0f} changed elements; payload "
              f"{_fmt_bytes(plan.payload_bytes)} on the wire (all engine ranks)",
              f"  delta refit {plan.refit_seconds:.2f} s | dense refit {plan.dense['seconds']:.2f} s "

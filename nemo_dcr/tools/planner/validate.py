@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from nemo_dcr.layout import MegatronSpec, model_dims
+from nemo_dcr.layout import MegatronSpec, ParallelLayout, model_dims
 
 from .figures import Figures, FiguresError, densities_from_file, read_json
-from .inputs import EngineLayout, TrainerLayout
+from .inputs import EngineDeployment
 from .estimate import Plan, make_plan
 from .presets import preset_for
 
@@ -34,8 +34,8 @@ def plan_for_run(run_dir: str | Path, fig: Figures) -> tuple[Plan, dict]:
                            "engines (hf, vllm: one engine rank on the trainer's host)")
     lay = summary["trainer_layout"]
     setup = preset_for("smollm2", "smollm2-main-job")
-    setup = replace(setup, trainer=TrainerLayout(tp=lay["tp"], pp=lay["pp"], ep=lay.get("ep", 1), dp=lay.get("dp", 1)),
-                    engine=EngineLayout(), preset=f"run {Path(run_dir).name}")
+    trainer = ParallelLayout(tp=lay["tp"], pp=lay["pp"], ep=lay.get("ep", 1), dp=lay.get("dp", 1))
+    setup = replace(setup, trainer=trainer, engine=EngineDeployment(), preset=f"run {Path(run_dir).name}")
     dens, source = densities_from_file(Path(run_dir))
     fig = replace(fig, densities=dens, density_source=source)
     plan = make_plan(summary["model"], model_dims(summary["model"]), setup, fig, spec=MegatronSpec(),

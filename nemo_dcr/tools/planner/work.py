@@ -17,7 +17,7 @@ rank's own capture slice (its index in the copy-group) is still computed, from p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -28,7 +28,7 @@ from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.layout import MegatronSpec, ModelDims, ParallelLayout, ParamPlan, build_chunk_plans, canonical_shapes
 from nemo_dcr.refit.routing import assign_owners
 
-from .inputs import EngineLayout, PlanSetup, TrainerLayout
+from .inputs import EngineDeployment, PlanSetup
 
 
 @dataclass(frozen=True)
@@ -111,14 +111,14 @@ class RankShare:
     """Canonical tensor pieces held (engine: the records a full delta to this rank carries)."""
 
 
-def trainer_coords(t: TrainerLayout, rank: int) -> dict[str, int]:
+def trainer_coords(t: ParallelLayout, rank: int) -> dict[str, int]:
     """Megatron's default rank order (tp-cp-ep-dp-pp, cp = 1) for the dense and the expert grid."""
     stage, i = divmod(rank, t.tp * t.dp)
     return dict(pp_rank=stage, tp_rank=i % t.tp, dp_rank=i // t.tp, etp_rank=i % t.etp,
                 ep_rank=(i // t.etp) % t.ep, edp_rank=i // (t.etp * t.ep))
 
 
-def engine_coords(e: EngineLayout, rank: int, experts: bool = True) -> dict[str, int]:
+def engine_coords(e: EngineDeployment, rank: int, experts: bool = True) -> dict[str, int]:
     """Coordinates of an engine rank: replica, TP rank, DP rank, expert ranks (vLLM order)."""
     replica, i = divmod(rank, e.per_replica)
     etp = e.etp if experts else 1
@@ -126,14 +126,14 @@ def engine_coords(e: EngineLayout, rank: int, experts: bool = True) -> dict[str,
                 ep_rank=(i // etp) % e.ep, edp_rank=i // (etp * e.ep))
 
 
-def _capture_slice(p: ParamShare, c: dict[str, int], t: TrainerLayout) -> tuple[int, int]:
+def _capture_slice(p: ParamShare, c: dict[str, int], t: ParallelLayout) -> tuple[int, int]:
     """This rank's slice of a parameter: the copy-group rule of the megatron source
     (``integrations/megatron/params.replica_group``) with the even split of
     :func:`nemo_dcr.capture.ranges.split_range`."""
     if p.duplicate:
         return 0, 0
     if p.expert:
-        idx, count, size, rank = c["edp_rank"], t.edp, t.etp, c["etp_rank"]
+        idx, count, size, rank = c["edp_rank"], t.expert_dp, t.etp, c["etp_rank"]
     else:
         idx, count, size, rank = c["dp_rank"], t.dp, t.tp, c["tp_rank"]
     if p.tp_replicated and size > 1:
@@ -151,11 +151,11 @@ def trainer_shares(dims: ModelDims, setup: PlanSetup, spec: MegatronSpec, cache:
     t, gpn = setup.trainer, setup.hardware.gpus_per_node
     classes: dict[tuple, list[ParamShare]] = {}
     out = []
-    for rank in range(t.world):
+    for rank in range(t.world_size):
         c = trainer_coords(t, rank)
         key = (c["pp_rank"], c["tp_rank"], c["etp_rank"])
         if key not in classes:
-            lay = t.layout(pp_rank=key[0], tp_rank=key[1], etp_rank=key[2])
+            lay = replace(t, pp_rank=key[0], tp_rank=key[1], etp_rank=key[2])
             classes[key] = _class_params(dims, lay, spec, cache)
         scanned, canon = 0, {}
         for p in classes[key]:
@@ -171,7 +171,7 @@ def engine_shares(dims: ModelDims, setup: PlanSetup, spec: MegatronSpec, cache: 
     e, gpn = setup.engine, setup.hardware.gpus_per_node
     classes: dict[tuple, list[ParamShare]] = {}
     out = []
-    for rank in range(e.world):
+    for rank in range(e.world_size):
         c = engine_coords(e, rank, bool(dims.num_experts))
         key = (c["tp_rank"], c["etp_rank"])
         if key not in classes:
@@ -209,14 +209,14 @@ def tensor_table(dims: ModelDims, setup: PlanSetup, spec: MegatronSpec) -> Tenso
     shapes = canonical_shapes(dims.family, dims)
     names = list(shapes)
     numel = np.array([int(np.prod(shapes[n])) for n in names], np.int64)
-    owners = assign_owners(dict(zip(names, numel.tolist())), setup.trainer.world)
+    owners = assign_owners(dict(zip(names, numel.tolist())), setup.trainer.world_size)
     copies_of = _engine_copies(dims, setup.engine, spec)
     copies = np.array([copies_of(n) for n in names], np.int64)
     return TensorTable(names, numel, [layer_type(n) for n in names],
                        np.array([owners[n] for n in names], np.int64), copies)
 
 
-def _engine_copies(dims: ModelDims, e: EngineLayout, spec: MegatronSpec) -> Callable[[str], int]:
+def _engine_copies(dims: ModelDims, e: EngineDeployment, spec: MegatronSpec) -> Callable[[str], int]:
     """Canonical name -> engine ranks of one replica holding each of its elements."""
     etp = e.etp if dims.num_experts else 1
     edp = e.per_replica // (e.ep * etp)
