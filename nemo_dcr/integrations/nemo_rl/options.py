@@ -8,7 +8,6 @@ NeMo-RL builds the engine as ``DcrCheckpointEngine(bucket_size=..., **engine_kwa
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 
 from nemo_dcr.config.schema import DcrConfig
@@ -48,7 +47,8 @@ class PluginOptions:
     bytes per element: decoding then costs in proportion to the changes); false: no such memory,
     each refit ranks the touched tensors again."""
     telemetry: bool = True
-    """Policy rank 0 appends one JSON line per sync to ``<url>/telemetry.jsonl``."""
+    """Policy rank 0 appends one row per sync to ``<url>/telemetry.jsonl`` (the row schema of
+    :mod:`nemo_dcr.telemetry.jsonl`, with ``session``, ``sync_s`` and ``time``)."""
     release_after_refit: bool = False
     """NeMo-RL's flag: it calls ``finalize()`` after every sync (nothing to release here)."""
 
@@ -82,14 +82,3 @@ class PluginOptions:
                         key_file=self.key_file, telemetry_encodings=[])
         cfg.validate(prefix=f"refit_cfg['{SELECTOR}']")
         return cfg
-
-    def append_telemetry(self, row: dict) -> None:
-        """Append ``row`` as one JSON line to ``<url>/telemetry.jsonl`` (a warning if the store refuses)."""
-        import fsspec
-
-        path = f"{self.url.rstrip('/')}/telemetry.jsonl"
-        try:
-            with fsspec.open(path, "a") as f:
-                f.write(json.dumps(row, default=str) + "\n")
-        except (OSError, ValueError, NotImplementedError) as exc:
-            print(f"[nemo-dcr refit] telemetry not written to {path}: {exc}", flush=True)
