@@ -46,7 +46,7 @@ def _exact(trainer: ShardTrainer, engine: TensorEngine) -> bool:
 def rig():
     trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
     engine = _engine()
-    refit = _refit(trainer, engine, full_verify_interval=3)
+    refit = _refit(trainer, engine, full_verify_interval=3, telemetry_encodings=["reference"])
     yield trainer, engine, refit
     refit.close(5)
 
