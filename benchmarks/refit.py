@@ -266,8 +266,7 @@ def trainer_main(workdir: str, steps: list[str], repeats: int, encoding: str, de
 
 
 def columns(times: dict[str, float]) -> dict[str, float]:
-    """The trainer's part of a row from the recorded phase times (a phase not recorded: 0);
-    ``wire`` (send + await) is split into transfer and the engine's apply by :func:`combine`."""
+    """A row's trainer columns from recorded phase times (``wire``: send + await, split by :func:`combine`)."""
     def t(*phases: Phase) -> float:
         return sum(times.get(p, 0.0) for p in phases)
 
