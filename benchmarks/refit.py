@@ -22,9 +22,10 @@ to back:
   transport, copied into the engine's live params under its write guard; its ``verify`` is a
   full checksum scan on both sides (the delta path verifies incrementally).
 
-Phases (seconds, wall): capture, remap, encode (delta: owner routing + coding; dense: bytes
-serialization), transfer (sender's send + wait for the ACK, minus the engine's apply), apply
-(engine: decode, validate, write, read-back check; dense: copy), verify.  The table reports
+Columns (seconds, wall; :data:`COLUMNS`, sums of the recorded :class:`~nemo_dcr.telemetry.phases.Phase`
+times, :func:`columns`): capture, remap, encode (route + encode; dense: bytes serialization),
+transfer (send + await, minus the engine's apply), apply (engine: decode, validate, write,
+read-back check; dense: copy), verify (checksum + verify + commit).  The table reports
 the best of N refits of each kind and the median of the per-pair ratios delta/dense; the
 machine is shared, so only ratios from the same run are meaningful.  The default pair (1, 2) is a
 typical RL step (the first AdamW step, 0 -> 1, changes ~10x more elements).  After the last refit the
@@ -50,14 +51,15 @@ import torch.distributed as dist
 
 from nemo_dcr.checkpoint import load_checkpoint
 from nemo_dcr.refit.messages import QUERY_DIGESTS, EngineReply
-from nemo_dcr.telemetry.phases import PhaseClock
+from nemo_dcr.telemetry.phases import Phase, PhaseClock
 from nemo_dcr.transport import DistTransport, Envelope, MessageKind
 from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
 
 KEY = b"benchmark-refit-key-0123456789ab"
 TRAINER, ENGINE = 0, 1
-PHASES = ("capture", "remap", "encode", "transfer", "apply", "verify")
+COLUMNS = ("capture", "remap", "encode", "transfer", "apply", "verify")
+"""The benchmark's comparison columns (not phases: see :func:`columns` and :func:`combine`)."""
 _LEN = struct.Struct("<Q")
 
 
@@ -206,32 +208,31 @@ class Trainer:
         r = self.refit.step()
         if not (r.committed and r.verified and not r.resynced):
             raise RuntimeError(f"delta refit v{r.version} failed: {r.detected}")
-        t = r.times
         return dict(version=r.version, kind="delta", changed=r.changed, numel=r.numel, bytes=r.payload_bytes,
-                    capture=t["capture"], remap=t["remap"], encode=t["route"] + t["encode"],
-                    wire=t["send"] + t["await"], verify=t["checksum"] + t["verify"] + t["commit"])
+                    **columns(r.times))
 
     def dense_refit(self) -> dict:
         """Every tensor's bytes through the same transport; full checksums compared."""
         clock, version = PhaseClock(), self.refit.sender.mirror.version + 1
         sent0 = self.transport.bytes_sent
         names = list(self.params)
-        with clock("encode"):
+        with clock(Phase.ENCODE):
             bodies = [pack_dense({n: self.params[n] for n in names[i:i + 16]}) for i in range(0, len(names), 16)]
-        with clock("wire"):
+        with clock(Phase.SEND):
             for i, body in enumerate(bodies):
                 self.transport.send(ENGINE, Envelope(MessageKind.DENSE, version, TRAINER, i, False, body))
             self.transport.send(ENGINE, Envelope(MessageKind.DENSE, version, TRAINER, len(bodies), True))
             self.transport.flush()
+        with clock(Phase.AWAIT):
             reply = EngineReply.from_bytes(self.transport.recv(src=ENGINE, timeout=600).body)
-        with clock("verify"):
+        with clock(Phase.VERIFY):
             mine = {n: tensor_checksum(_bits(p)) for n, p in self.params.items()}
         if reply.checksums != mine:
             raise RuntimeError(f"dense refit v{version}: engine checksums differ")
         if self.refit.attach().resynced:  # not timed: the refit learns the engine's new version
             raise RuntimeError("after a dense refit the engine should hold the trainer's weights")
-        return dict(version=version, kind="dense", changed=self._numel(), numel=self._numel(), capture=0.0,
-                    remap=0.0, bytes=self.transport.bytes_sent - sent0, **clock.seconds)
+        return dict(version=version, kind="dense", changed=self._numel(), numel=self._numel(),
+                    bytes=self.transport.bytes_sent - sent0, **columns(clock.seconds))
 
     def _numel(self) -> int:
         return sum(p.numel() for p in self.params.values())
@@ -264,6 +265,15 @@ def trainer_main(workdir: str, steps: list[str], repeats: int, encoding: str, de
     trainer.transport.close()
 
 
+def columns(times: dict[str, float]) -> dict[str, float]:
+    """A row's trainer columns from recorded phase times (``wire``: send + await, split by :func:`combine`)."""
+    def t(*phases: Phase) -> float:
+        return sum(times.get(p, 0.0) for p in phases)
+
+    return dict(capture=t(Phase.CAPTURE), remap=t(Phase.REMAP), encode=t(Phase.ROUTE, Phase.ENCODE),
+                wire=t(Phase.SEND, Phase.AWAIT), verify=t(Phase.CHECKSUM, Phase.VERIFY, Phase.COMMIT))
+
+
 # ---------------------------------------------------------------- parent: run, combine, report
 def combine(rows: list[dict], engine: dict) -> list[dict]:
     """Per-refit phases: the engine's apply (and dense verify) taken out of the sender's wire time."""
@@ -276,7 +286,7 @@ def combine(rows: list[dict], engine: dict) -> list[dict]:
             apply, engine_verify = engine["dense"][v]["apply"], engine["dense"][v]["verify"]
         row = dict(r, apply=apply, transfer=max(r.pop("wire") - apply - engine_verify, 0.0))
         row["verify"] = r["verify"] + engine_verify
-        row["total"] = sum(row[p] for p in PHASES)
+        row["total"] = sum(row[p] for p in COLUMNS)
         out.append(row)
     return out
 
@@ -302,7 +312,7 @@ def summarize(rows: list[dict]) -> dict:
     for kind, rs in kinds.items():
         best = min(rs, key=lambda r: r["total"])
         out[kind] = dict(best=best, median_total=statistics.median(r["total"] for r in rs),
-                         min_phase={p: min(r[p] for r in rs) for p in PHASES}, n=len(rs))
+                         min_phase={p: min(r[p] for r in rs) for p in COLUMNS}, n=len(rs))
     pairs = [d["total"] / e["total"] for d, e in zip(kinds["delta"], kinds["dense"])]
     no_verify = [d["total"] / (e["total"] - e["verify"]) for d, e in zip(kinds["delta"], kinds["dense"])]
     out["ratio_best"] = out["delta"]["best"]["total"] / out["dense"]["best"]["total"]
@@ -314,15 +324,15 @@ def summarize(rows: list[dict]) -> dict:
 
 def table(summaries: dict) -> str:
     """Markdown table of the best refit of each kind, per target."""
-    head = "| target | refit | " + " | ".join(PHASES) + " | total s | MB moved | changed |"
-    lines = [head, "|" + "---|" * (len(PHASES) + 5)]
+    head = "| target | refit | " + " | ".join(COLUMNS) + " | total s | MB moved | changed |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 5)]
     notes = []
     for target, summary in summaries.items():
         if target == "cost_follows_changes":
             continue
         for kind in ("delta", "dense"):
             b = summary[kind]["best"]
-            cells = " | ".join(f"{b[p]:.3f}" for p in PHASES)
+            cells = " | ".join(f"{b[p]:.3f}" for p in COLUMNS)
             lines.append(f"| {target} | {kind} (best of {summary[kind]['n']}) | {cells} | {b['total']:.3f} | "
                          f"{b['bytes'] / 1e6:.2f} | {b['changed'] / b['numel']:.3%} |")
         notes.append(f"{target}: delta/dense time best {summary['ratio_best']:.3f}x, paired median "

@@ -44,7 +44,7 @@ from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.transport import Envelope, MessageKind
 from nemo_dcr.types import SparseDelta
-from nemo_dcr.telemetry.phases import PhaseClock
+from nemo_dcr.telemetry.phases import TOTAL, TOTAL_SLOWEST_RANK, Phase, PhaseClock, total_seconds
 from nemo_dcr.verify.checksum import updated_checksum
 
 from .fp8_mirror import sender_mirror
@@ -154,14 +154,14 @@ class DeltaRefit:
         """
         t0 = time.perf_counter()
         clock = PhaseClock()
-        with clock("placement"):
+        with clock(Phase.PLACEMENT):
             self._route_by_placement()
-        with clock("capture"):
+        with clock(Phase.CAPTURE):
             self.store = self._new_store()
             for k, p in self.source.params.items():
                 self.store.register(k, p)
             pieces = self.source.pieces()
-        with clock("checksum"):
+        with clock(Phase.CHECKSUM):
             self._checksums = self.source.checksums()
         report = self.sender.attach(pieces, self._checksums)
         if not report.committed:
@@ -199,7 +199,7 @@ class DeltaRefit:
         clock = PhaseClock()
         pieces = self._capture_pieces(version, clock)
         check, full = verify_due(self.cfg, self.refits)
-        with clock("checksum"):
+        with clock(Phase.CHECKSUM):
             current = self.source.checksums() if full else _moved(self._checksums, pieces)
         every = self.cfg.full_resync_interval
         if not self.cfg.enabled or (every and self.refits % every == 0):
@@ -213,17 +213,17 @@ class DeltaRefit:
         return self._finish(report, version, t0)
 
     def _capture_pieces(self, version: int, clock: PhaseClock) -> list[SparseDelta]:
-        with clock("capture"):
+        with clock(Phase.CAPTURE):
             deltas = capture(self.source.params, self.store, self.source.ranges, version=version)
-        with clock("remap"):
+        with clock(Phase.REMAP):
             return [p for d in deltas for p in self.source.remap(d)]
 
     def _finish(self, report: RefitReport, version: int | None, t0: float) -> RefitReport:
         times = dict(report.times)
-        with PhaseClock(times)("commit"):
+        with PhaseClock(times)(Phase.COMMIT):
             if report.committed and version is not None:
                 self.store.commit(version)
-        times["total"] = time.perf_counter() - t0 - times.get("telemetry", 0.0)
+        times[TOTAL] = total_seconds(time.perf_counter() - t0, times)
         return self._totals(replace(report, times=times))
 
     def _totals(self, report: RefitReport) -> RefitReport:
@@ -236,7 +236,7 @@ class DeltaRefit:
         local += [report.bytes_by_encoding.get(e, 0) for e in encs]
         local += [report.engine_format.get(k, 0) for k in fmt]
         summed = self.group.sum_ints(local)
-        slowest = self.group.max_floats([report.times.get("total", 0.0)])[0]
+        slowest = self.group.max_floats([report.times.get(TOTAL, 0.0)])[0]
         numel = {k: 0 for k in kinds}
         for n, (dtype, shape) in self.source.canonical.items():
             numel[layer_type(n)] += _numel(shape)
@@ -245,7 +245,7 @@ class DeltaRefit:
         counts = dict(zip(fmt, summed[3 + len(kinds) + len(encs):]))
         return replace(report, changed=summed[0], payload_bytes=summed[1], numel=sum(numel.values()),
                        dense_bytes=summed[2], by_layer_type=by_kind, bytes_by_encoding=sizes, engine_format=counts,
-                       times={**report.times, "total_slowest_rank": slowest})
+                       times={**report.times, TOTAL_SLOWEST_RANK: slowest})
 
     # -- hook and shutdown -------------------------------------------------------------------------
 

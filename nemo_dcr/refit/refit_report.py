@@ -34,8 +34,11 @@ class RefitReport:
         dense_bytes: bytes of the whole model in its serving dtype (a dense refit's payload).
         bytes_by_encoding: payload bytes of the same changes in other encodings (telemetry).
         by_layer_type: layer type -> ``{"changed": n, "numel": m}``.
-        times: wall seconds per phase on this rank (``capture``, ``remap``, ``route``,
-            ``encode``, ``send``, ``await``, ``verify``, ``commit``; ``total``).
+        times: wall seconds on this rank, keyed by the values of
+            :class:`nemo_dcr.telemetry.phases.Phase` (the phases this refit ran), plus two totals
+            that are not phases: ``total`` (the refit call's seconds; every phase but
+            ``telemetry`` is a span inside it) and ``total_slowest_rank`` (the largest ``total``
+            of the trainer ranks).
         verify: the last comparison of trainer and engine checksums (None: not checked).
         engine_format: counts of the engine format (``dcr.engine_format: fp8``; refit/fp8_mirror.py):
             ``fp8_elements`` and ``fp8_blocks`` of the FP8 weights, ``fp8_changed`` FP8 bytes and

@@ -21,7 +21,7 @@ from nemo_dcr.apply.placement import RankPlacement
 from nemo_dcr.codec import Identity, encode_deltas
 from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
-from nemo_dcr.telemetry.phases import PhaseClock
+from nemo_dcr.telemetry.phases import Phase, PhaseClock
 from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import MASK64
@@ -240,25 +240,25 @@ class RefitSender:
         self._detected = []
         clock = PhaseClock()
         version = self.mirror.version + 1
-        with clock("route"):
+        with clock(Phase.ROUTE):
             routed = self._route(pieces)
-        with clock("encode"):
+        with clock(Phase.ENCODE):
             owned = self.mirror.changes(routed)
             ident = Identity(self.model, "", self.mirror.version + base_skew, version + base_skew)
             sent_deltas, parts = self._encode(owned, ident)
-        with clock("send"):
+        with clock(Phase.SEND):
             sent = self._send(MessageKind.DELTA, version, parts, tamper)
-        with clock("await"):
+        with clock(Phase.AWAIT):
             replies = self._await(version, (MessageKind.ACK, MessageKind.NACK))
             ok = self.group.all_true(all(r.ok for r in replies))
         changed = sum(d.nnz for d in owned)
-        with clock("telemetry"):
+        with clock(Phase.TELEMETRY):
             sizes = self._telemetry(sent_deltas, telemetry)
             fmt = self.mirror.telemetry(self.cfg.encoding if telemetry else None)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             return self._recover(trainer_checksums, changed, sent, clock)
-        with clock("verify"):
+        with clock(Phase.VERIFY):
             self._commit(version)
             report = None
             if verify or full:
@@ -282,7 +282,7 @@ class RefitSender:
         """
         self._detected = []
         clock = PhaseClock()
-        with clock("route"):
+        with clock(Phase.ROUTE):
             owned = self.mirror.changes(self._route(pieces))
             self.mirror.stage(owned, 1)
         return self._recover(trainer_checksums, sum(d.nnz for d in owned), 0, clock, mode="attach")
@@ -292,7 +292,7 @@ class RefitSender:
         self.refits += 1
         self._detected = []
         clock = PhaseClock()
-        with clock("route"):
+        with clock(Phase.ROUTE):
             owned = self.mirror.changes(self._route(pieces))
             self.mirror.stage(owned, self.mirror.version + 1)
         state = self.query()
@@ -310,7 +310,7 @@ class RefitSender:
 
     def _recover(self, trainer_checksums, changed: int, sent: int, clock: PhaseClock,
                  mode: str = "delta") -> RefitReport:
-        with clock("verify"):
+        with clock(Phase.VERIFY):
             state = self.query()
             before = self._verify(trainer_checksums, state, full=True, current=True)
         engine_version = max(r.version for r in state)
@@ -328,11 +328,11 @@ class RefitSender:
 
     def _resync(self, names: Sequence[str], target: int, trainer_checksums, changed: int, sent: int,
                 clock: PhaseClock, mode: str, before: VerifyReport | None) -> RefitReport:
-        with clock("encode"):
+        with clock(Phase.ENCODE):
             parts = self._resync_parts(names, target)
-        with clock("send"):
+        with clock(Phase.SEND):
             sent += self._send(MessageKind.RESYNC, target, parts, None)
-        with clock("await"):
+        with clock(Phase.AWAIT):
             replies = self._await(target, (MessageKind.ACK, MessageKind.NACK))
             ok = self.group.all_true(all(r.ok for r in replies))
         if not ok:
@@ -341,7 +341,7 @@ class RefitSender:
             return RefitReport(version, mode, False, True, tuple(self._detected), changed, payload_bytes=sent,
                                times=clock.seconds, verify=before)
         self._reset(self.owned, target)
-        with clock("verify"):
+        with clock(Phase.VERIFY):
             after = self._verify(trainer_checksums, replies, full=False)
         if not after.ok:
             self._detected.append("checksum mismatch after resync: " + after.describe())

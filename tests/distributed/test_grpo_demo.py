@@ -13,6 +13,10 @@ import sys
 import pytest
 from launch import REPO
 
+from nemo_dcr.telemetry import read_steps
+from nemo_dcr.tools.run_report import write_report
+from tests.report_reader import check_phases_shown
+
 pytestmark = pytest.mark.distributed
 
 
@@ -36,6 +40,8 @@ def _demo(tmp_path, steps: int, *overrides: str) -> dict:
     lines = (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines()
     assert len(lines) == steps and json.loads(lines[0])["bit_exact"] is True
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml", "summary.json", "telemetry.jsonl"]
+    write_report(tmp_path / "run", tmp_path / "report")  # nemo-dcr report: every recorded phase shown
+    check_phases_shown(read_steps(tmp_path / "run"), (tmp_path / "report" / "report.md").read_text())
     return s
 
 

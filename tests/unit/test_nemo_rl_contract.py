@@ -10,7 +10,6 @@ would have produced), never with the refit's own mirror or checksums.
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -18,9 +17,12 @@ import torch
 
 from nemo_dcr.config import ConfigError
 from nemo_dcr.integrations.nemo_rl import SELECTOR, DcrCheckpointEngine
+from nemo_dcr.telemetry import read_steps
+from nemo_dcr.tools.run_report import markdown
 from nemo_dcr.transport import MessageKind
 from nemo_dcr.transport.store import StoreTransport
 from nemo_dcr.types import int_view
+from tests.report_reader import check_phases_shown
 from tests.standins.nemo_rl_standin import (SKIPPED, PolicyWorker, Synchronizer, busy, initial_state, train_step,
                                             vllm_engines)
 from tests.standins.vllm_standin import StandinDims, StandinModel
@@ -90,8 +92,10 @@ def test_concurrent_syncs_are_bit_exact_after_every_step(refit_cfg, tmp_path, ex
         seen.append(r.version)
     assert seen == sorted(set(seen))
     assert all(w.loaded_tensors == 0 for e in engines for w in e)  # nothing went through load_weights
-    lines = (tmp_path / "refit" / "telemetry.jsonl").read_text().splitlines()
-    assert [json.loads(x)["version"] for x in lines] == seen
+    rows = read_steps(tmp_path / "refit")  # the one row schema, written through TelemetryWriter
+    assert [r["version"] for r in rows] == seen and [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["times"]["export"] > 0 and r["sync_s"] >= r["times"]["total"] for r in rows)
+    check_phases_shown(rows, markdown(rows))
     session = tmp_path / "refit" / f"session-{policy[0].checkpoint_engine.policy.topo.session}"
     assert sorted(p.name for p in session.iterdir()) == ["sync-000003", "sync-000004"]  # older syncs removed
     assert not list((tmp_path / "refit").rglob("*.env"))  # every message was consumed and deleted

@@ -12,7 +12,6 @@ those two here and nowhere else.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -77,14 +76,3 @@ class PluginOptions:
     def session_config(self, folder: str) -> DcrConfig:
         """The ``dcr`` settings of one session's refit (its store transport in ``folder``)."""
         return replace(self.dcr, url=folder)
-
-    def append_telemetry(self, row: dict) -> None:
-        """Append ``row`` as one JSON line to ``<telemetry_dir>/telemetry.jsonl`` (a warning if the store refuses)."""
-        import fsspec
-
-        path = f"{self.dcr.telemetry_dir.rstrip('/')}/telemetry.jsonl"
-        try:
-            with fsspec.open(path, "a") as f:
-                f.write(json.dumps(row, default=str) + "\n")
-        except (OSError, ValueError, NotImplementedError) as exc:
-            print(f"[nemo-dcr refit] telemetry not written to {path}: {exc}", flush=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Iterable, Mapping
 
 import torch
@@ -24,6 +24,7 @@ from nemo_dcr.refit import DeltaRefit, RefitReport, engine_wiring
 from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import TransportGroup
 from nemo_dcr.refit.routing import assign_owners
+from nemo_dcr.telemetry import Phase, PhaseClock, TelemetryWriter, step_record
 from nemo_dcr.transport import Envelope, MessageKind
 from nemo_dcr.types import DTYPES
 
@@ -125,10 +126,12 @@ class PolicySide:
         self.group.restart(self.syncs)
         if self.rank == 0:
             remove_stale(self.topo.folder, self.syncs)
-        report, error = None, None
+        report, error, clock = None, None, PhaseClock()
         try:
-            self.drain(weights)
+            with clock(Phase.EXPORT):
+                self.drain(weights)
             report = self._refit_once()
+            report = replace(report, times={**clock.seconds, **report.times})
             if not report.committed:
                 raise RuntimeError(f"refit v{report.version} did not commit: {'; '.join(report.detected)}")
         except BaseException as exc:
@@ -163,6 +166,8 @@ class PolicySide:
               f"{r.dense_bytes / 2**20:.1f} MiB (x{ratio:.1f}), verified={r.verified}, resynced={r.resynced}, "
               f"{seconds:.2f}s" + (f"; handled: {'; '.join(r.detected)[:300]}" if r.detected else ""), flush=True)
         if self.options.dcr.telemetry_dir:
-            row = {"time": time.time(), "session": self.topo.session, "sync": self.syncs, "seconds": seconds,
-                   **{k: v for k, v in asdict(r).items() if k != "verify"}, "verified": r.verified}
-            self.options.append_telemetry(row)
+            row = step_record(self.syncs, r, session=self.topo.session, sync_s=seconds, time=time.time())
+            try:
+                TelemetryWriter(self.options.dcr.telemetry_dir, fresh=False).write(row)
+            except (OSError, ValueError, NotImplementedError) as exc:
+                print(f"[nemo-dcr refit] telemetry not written under {self.options.dcr.telemetry_dir}: {exc}", flush=True)

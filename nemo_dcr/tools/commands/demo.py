@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .launch import EXIT_TIMEOUT, JobTimeoutError, check_timeout, run_job
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "grpo_smollm2_cpu.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_smollm2_cpu.yaml"
 WORKER = "nemo_dcr.tools.demo.grpo"
 
 

@@ -35,7 +35,7 @@ from nemo_dcr.tools.demo.rollout import rl_config
 from nemo_dcr.tools.demo.trainer import build_trainer, policy_gradient_backward
 from nemo_dcr.tools.megatron.dense import dense_export
 from nemo_dcr.refit import DeltaRefit
-from nemo_dcr.telemetry import TelemetryWriter, step_record
+from nemo_dcr.telemetry import TOTAL, TelemetryWriter, step_record
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -136,7 +136,7 @@ def run(cfg) -> dict | None:
         _log(f"ready in {time.perf_counter() - t0:.1f}s: tp={t.tp} pp={t.pp}, engine {described} next to rank "
              f"{starter}, transport {cfg.dcr.transport}; attach: "
              f"{'resync' if init.resynced else 'engine already identical'}, {init.payload_bytes / 1e6:.2f} MB, "
-             f"{init.times['total']:.2f}s")
+             f"{init.times[TOTAL]:.2f}s")
     telemetry = TelemetryWriter(cfg.dcr.telemetry_dir or cfg.run.run_dir) if is_starter else None
     torch.manual_seed(t.seed)
     steps = []
@@ -167,8 +167,8 @@ def progress_line(rec: dict, steps: int) -> str:
     exact = {True: "bit-exact", False: "MISMATCH", None: "unchecked"}[rec["bit_exact"]]
     return (f"step {rec['step']}/{steps}: reward {rec['reward']:.3f} loss {rec['loss']:+.4f} "
             f"{rec['mode']} density {rec['density']:.3%} {sizes} (dense "
-            f"{rec['bytes']['dense'] / 1e6:.0f}MB) refit {rec['times'].get('total', 0):.2f}s "
-            f"vs dense {rec['dense_refit_s'] or 0:.2f}s ({_ratio(rec['times'].get('total'), rec['dense_refit_s'])}) "
+            f"{rec['bytes']['dense'] / 1e6:.0f}MB) refit {rec['times'].get(TOTAL, 0):.2f}s "
+            f"vs dense {rec['dense_refit_s'] or 0:.2f}s ({_ratio(rec['times'].get(TOTAL), rec['dense_refit_s'])}) "
             f"{exact}{_fp8_line(rec)}")
 
 
@@ -198,7 +198,7 @@ def summarize(cfg, steps: list[dict], init, seconds: float) -> dict:
         return sum(xs) / len(xs) if xs else None
 
     t = cfg.trainer
-    delta_s, dense_s = mean(s["times"].get("total") for s in steps), mean(s["dense_refit_s"] for s in steps)
+    delta_s, dense_s = mean(s["times"].get(TOTAL) for s in steps), mean(s["dense_refit_s"] for s in steps)
     return {
         "steps": len(steps), "trainer_layout": {"tp": t.tp, "pp": t.pp, "ep": t.ep, "dp": 1},
         "engine": cfg.engine.kind, "engine_placement": cfg.engine.placement, "model": t.model,
@@ -215,7 +215,7 @@ def summarize(cfg, steps: list[dict], init, seconds: float) -> dict:
         "checked_steps": sum(1 for s in steps if s["bit_exact"] is not None),
         "refit_seconds_delta": delta_s, "refit_seconds_dense": dense_s,
         "refit_ratio_delta_over_dense": delta_s / dense_s if delta_s is not None and dense_s else None,
-        "attach_seconds": init.times["total"], "attach_payload_bytes": init.payload_bytes,
+        "attach_seconds": init.times[TOTAL], "attach_payload_bytes": init.payload_bytes,
         "attach_resynced": init.resynced,
         "phase_seconds_mean": {k: mean(s["times"].get(k) for s in steps)
                                for k in steps[0]["times"]},

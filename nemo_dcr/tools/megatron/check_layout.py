@@ -32,6 +32,7 @@ from nemo_dcr.checkpoint import load_checkpoint
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.layout import MODELS, model_dims
 from nemo_dcr.refit import DeltaRefit
+from nemo_dcr.telemetry import TOTAL
 from nemo_dcr.types import int_view
 
 from . import build as am
@@ -136,7 +137,7 @@ def run(args) -> dict:
         result["bad"] = sorted(set(result["bad"]) | set(bad))
         result["steps"].append(dict(step=step, changed=report.changed, density=report.density, mode=report.mode,
                                     committed=report.committed, payload_bytes=report.payload_bytes,
-                                    seconds=report.times["total"]))
+                                    seconds=report.times[TOTAL]))
     refit.close()
     stats = [None] * dist.get_world_size()
     shard = sum(p.numel() * p.element_size() for p in source.params.values())

@@ -20,6 +20,7 @@ from nemo_dcr.layout import ModelDims
 from .convert import hf_to_megatron, megatron_to_hf, merge_shards, shard_of
 
 
+@torch.no_grad()
 def load_hf(chunks: list[torch.nn.Module], hf: Mapping[str, torch.Tensor],
             dims: ModelDims) -> int:
     """Copy HF weights into this rank's shards; returns the number of params loaded."""
@@ -36,6 +37,7 @@ def load_hf(chunks: list[torch.nn.Module], hf: Mapping[str, torch.Tensor],
     return n
 
 
+@torch.no_grad()
 def dense_export(chunks: list[torch.nn.Module], dims: ModelDims,
                  dst: int = 0) -> dict[str, torch.Tensor] | None:
     """Gather every shard to rank ``dst`` and convert to HF tensors (the dense reference).

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nemo_dcr.telemetry.phases import Phase
+
 from .figures import Figures, Kernels, density_of
 from .inputs import PlanSetup
 from .links import GBIT, Transfer, transfer
@@ -62,8 +64,15 @@ class RankCost:
 
 
 @dataclass
-class Phase:
-    """One phase of the critical path."""
+class PathSegment:
+    """One segment of the predicted critical path.
+
+    Its ``name`` is the planner's (``capture+remap``, ``engine decode+apply``,
+    ``ack+verify+commit``...): a segment may span several recorded
+    :class:`~nemo_dcr.telemetry.phases.Phase` members, and the engine's part lies inside the
+    recorded ``await``.  The per-rank trainer seconds it sums (:func:`trainer_costs`) are keyed
+    by the values of the phases they predict.
+    """
 
     name: str
     seconds: float
@@ -129,12 +138,12 @@ def trainer_costs(shares: list[RankShare], table: TensorTable, tc: TensorCosts, 
         ch = sum(v * tc.density_by_kind[kind] for kind, v in s.canonical.items())
         c = RankCost(s, ch, int(owned_el[r]), float(owned_ch[r]), float(enc_el[r]), float(sent[r]))
         c.seconds = {
-            "capture": s.scanned * ELEMENT_BYTES / (scan.scan_gbps * 1e9) / scan_share,
-            "remap": ch / k.remap_per_s / host,
-            "route": (ch + c.owned_changes) / k.route_per_s / host,
-            "encode": (c.encoded_elements * ELEMENT_BYTES / (k.encode_pass_gbps * 1e9)
+            Phase.CAPTURE.value: s.scanned * ELEMENT_BYTES / (scan.scan_gbps * 1e9) / scan_share,
+            Phase.REMAP.value: ch / k.remap_per_s / host,
+            Phase.ROUTE.value: (ch + c.owned_changes) / k.route_per_s / host,
+            Phase.ENCODE.value: (c.encoded_elements * ELEMENT_BYTES / (k.encode_pass_gbps * 1e9)
                        + float(enc_ch[r]) / k.encode_per_s) / host,
-            "commit": ch / k.apply_per_s / host,
+            Phase.COMMIT.value: ch / k.apply_per_s / host,
         }
         c.memory = {"baseline": s.scanned * ELEMENT_BYTES, "mirror": c.owned_elements * ELEMENT_BYTES,
                     "route_buffers": (ch + c.owned_changes) * ROUTE_BYTES, "payload": c.payload_bytes}
@@ -226,20 +235,20 @@ def ack_seconds(setup: PlanSetup) -> float:
     return reply + 2 * math.ceil(math.log2(max(setup.trainer.world_size, 2))) * lat
 
 
-def critical_path(trainers: list[RankCost], engines: list[RankCost], setup: PlanSetup) -> list[Phase]:
+def critical_path(trainers: list[RankCost], engines: list[RankCost], setup: PlanSetup) -> list[PathSegment]:
     """The phases of the delta refit, each with its slowest rank or link."""
     path = []
-    sec, who = _slowest(trainers, ("capture", "remap"))
-    path.append(Phase("capture+remap", sec, who, "scan of the rank's slice, then index arithmetic"))
+    sec, who = _slowest(trainers, (Phase.CAPTURE, Phase.REMAP))
+    path.append(PathSegment("capture+remap", sec, who, "scan of the rank's slice, then index arithmetic"))
     route = route_transfer(trainers, setup)
-    sec, who = _slowest(trainers, ("route",))
-    path.append(Phase("route", sec + route.seconds, who, f"pack/merge; exchange bound by {route.bound}"))
-    sec, who = _slowest(trainers, ("encode",))
-    path.append(Phase("encode", sec, who, "owner encodes against its mirror"))
+    sec, who = _slowest(trainers, (Phase.ROUTE,))
+    path.append(PathSegment("route", sec + route.seconds, who, f"pack/merge; exchange bound by {route.bound}"))
+    sec, who = _slowest(trainers, (Phase.ENCODE,))
+    path.append(PathSegment("encode", sec, who, "owner encodes against its mirror"))
     send = send_transfer(trainers, engines, setup)
-    path.append(Phase("send", send.seconds, "link", send.bound))
+    path.append(PathSegment("send", send.seconds, "link", send.bound))
     sec, who = _slowest(engines, ("decode", "apply"))
-    path.append(Phase("engine decode+apply", sec, who, "transaction after every part arrived"))
-    sec, who = _slowest(trainers, ("commit",))
-    path.append(Phase("ack+verify+commit", ack_seconds(setup) + sec, who, "reply, checksum all-reduce, baseline"))
+    path.append(PathSegment("engine decode+apply", sec, who, "transaction after every part arrived"))
+    sec, who = _slowest(trainers, (Phase.COMMIT,))
+    path.append(PathSegment("ack+verify+commit", ack_seconds(setup) + sec, who, "reply, checksum all-reduce, baseline"))
     return path

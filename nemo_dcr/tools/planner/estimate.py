@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from nemo_dcr.layout import MegatronSpec, ModelDims
 
 from .baselines import dense_refit, export_then_diff
-from .cost import Phase, RankCost, TensorCosts, add_link_seconds, critical_path, engine_costs, trainer_costs
+from .cost import PathSegment, RankCost, TensorCosts, add_link_seconds, critical_path, engine_costs, trainer_costs
 from .figures import Figures
 from .inputs import PlanSetup
 from .work import RankShare, ShareCache, TensorTable, engine_shares, tensor_table, trainer_shares
@@ -29,7 +29,7 @@ class Plan:
     fig: Figures
     trainers: list[RankCost]
     engines: list[RankCost]
-    path: list[Phase]
+    path: list[PathSegment]
     dense: dict
     export_diff: dict
     tensors: TensorCosts
@@ -102,7 +102,7 @@ def make_plan(model: str, dims: ModelDims, setup: PlanSetup, fig: Figures, spec:
                 time.perf_counter() - t0, time.process_time() - c0, list(notes or []), sh)
 
 
-def _phase(plan: Plan, name: str) -> Phase:
+def _phase(plan: Plan, name: str) -> PathSegment:
     return next(p for p in plan.path if p.name == name)
 
 

@@ -162,14 +162,16 @@ def codec_table(path: str | Path = CODEC_POINTS) -> CodecTable:
 def densities_from_file(path: str | Path) -> tuple[dict[str, float], str]:
     """Per-layer-type densities of a ``nemo-dcr diff --json`` output or a run's telemetry.
 
-    A telemetry file (or run folder) gives the mean over its ``delta`` steps.
+    A telemetry file (or run folder) gives the mean over its ``delta`` steps (only ``mode`` and
+    ``density_by_layer_type`` are read, so rows are not checked against the schema).
 
     Returns:
         (layer type -> density, a description of the source).
     """
     p = Path(path)
     if p.is_dir() or p.suffix == ".jsonl":
-        steps = [s for s in read_steps(p) if s.get("mode") == "delta" and s.get("density_by_layer_type")]
+        rows = read_steps(p, check=False)
+        steps = [s for s in rows if s.get("mode") == "delta" and s.get("density_by_layer_type")]
         if not steps:
             raise FiguresError(f"{path}: no delta steps with density_by_layer_type")
         kinds = sorted({k for s in steps for k in s["density_by_layer_type"]})

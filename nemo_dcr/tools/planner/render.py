@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nemo_dcr.telemetry.phases import Phase
+
 from .cost import RankCost
 from .estimate import Plan
 from .presets import PRESET_NOTES
 
-TRAINER_PHASES = ("capture", "remap", "route", "encode", "commit")
+TRAINER_PHASES = (Phase.CAPTURE, Phase.REMAP, Phase.ROUTE, Phase.ENCODE, Phase.COMMIT)
+"""The recorded refit phases a trainer rank's predicted seconds cover."""
 ENGINE_PHASES = ("decode", "apply")
+"""The engine rank's predicted seconds (the engine's part of the recorded ``await``)."""
 
 
 def assumptions(plan: Plan) -> list[str]:
@@ -153,5 +157,5 @@ def _bars(c: RankCost, starts: dict[str, float]) -> list[tuple[str, float]]:
         t0 = starts["engine decode+apply"]
         return [("decode", t0), ("apply", t0 + c.seconds["decode"])]
     t0 = starts["capture+remap"]
-    return [("capture", t0), ("remap", t0 + c.seconds["capture"]), ("route", starts["route"]),
-            ("encode", starts["encode"]), ("commit", starts["ack+verify+commit"])]
+    return [(Phase.CAPTURE, t0), (Phase.REMAP, t0 + c.seconds[Phase.CAPTURE]), (Phase.ROUTE, starts["route"]),
+            (Phase.ENCODE, starts["encode"]), (Phase.COMMIT, starts["ack+verify+commit"])]
