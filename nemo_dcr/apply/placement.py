@@ -32,6 +32,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from nemo_dcr.types import SparseDelta
+
 
 class PlacementError(ValueError):
     """A probe result is not a placement (a value that is not a canonical index, a duplicate)."""
@@ -138,6 +140,36 @@ Loader = Callable[[torch.Tensor, torch.Tensor], None]
 Fills = dict
 """Engine param name -> list of ``(local flat positions, values)`` a loader wrote as constants
 (vLLM zero-fills vocab padding rows): what a fresh load leaves at positions no canonical element has."""
+
+
+def fills_outside_views(fills: Fills, placement: RankPlacement) -> Fills:
+    """The constants of ``fills`` at positions no canonical element of ``placement`` lands on (a
+    loader that clears a whole fused param before writing its slot must not clear the other slots
+    after a resync); cost ∝ constants and runs, never a pass over the params."""
+    out: Fills = {}
+    for param, entries in fills.items():
+        runs = [tp.runs for tp in placement.values() if tp.param == param]
+        starts = np.concatenate([r.local for r in runs]) if runs else np.zeros(0, np.int64)
+        ends = starts + (np.concatenate([r.length for r in runs]) if runs else 0)
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+        kept = []
+        for pos, values in entries:
+            at = np.searchsorted(starts, pos, side="right") - 1
+            inside = (at >= 0) & (pos < ends[np.maximum(at, 0)]) if starts.size else np.zeros(pos.size, bool)
+            if (~inside).any():
+                kept.append((pos[~inside], values[~inside]))
+        if kept:
+            out[param] = kept
+    return out
+
+
+def view_delta(delta: SparseDelta, runs: Runs) -> SparseDelta:
+    """The elements of the canonical ``delta`` that ``runs`` holds, in its view index space (what a
+    record routed to that engine rank carries); cost ∝ changes."""
+    held, view, _ = runs.select(delta.positions)
+    old = None if delta.old_bits is None else delta.old_bits[held]
+    return SparseDelta(delta.name, delta.dtype, (runs.numel,), view, delta.new_bits[held], old)
 
 
 def probe_tensor(name: str, shape: Sequence[int], param: str, param_shape: Sequence[int], load: Loader,

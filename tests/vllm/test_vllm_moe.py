@@ -35,7 +35,7 @@ def _naive_mismatches(worker, path: str) -> list[str]:
     live = dict(worker.model_runner.model.named_parameters())
     ref = load_checkpoint(path)
     out = []
-    for name, tp in worker.dcr_engine.placement.items():
+    for name, tp in worker.dcr_engine.placed.items():
         got = int_view(ShardView(live[tp.param].data, tp.runs).gather())
         want = int_view(ref[name]).reshape(-1)[torch.from_numpy(tp.runs.expand()[0])]
         if not torch.equal(got, want):

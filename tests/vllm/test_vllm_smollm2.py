@@ -23,7 +23,7 @@ def test_smollm2_real_steps_match_fresh_engine(real_checkpoints):
 
     steps = [checkpoint_tensors(p) for p in real_checkpoints]
     with VllmEngine.start(str(real_checkpoints[0]), key=KEY, **SMOLLM2) as eng:
-        placement = eng.placement_json()[0]
+        placement = eng.placement()[0]
         k_proj = placement["model.layers.3.self_attn.k_proj.weight"]
         assert k_proj["param"] == "model.layers.3.self_attn.qkv_proj.weight" and k_proj["param_shape"] == [960, 576]
         assert placement["model.layers.3.mlp.up_proj.weight"]["param"] == "model.layers.3.mlp.gate_up_proj.weight"
