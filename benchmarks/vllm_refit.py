@@ -185,7 +185,8 @@ def run_all(a, step0: Path, step1: Path) -> dict:
     med = {k: statistics.median(v) for k, v in t.items() if isinstance(v, list)}
     print(f"ratio engine apply / dense load_weights: {med['apply'] / med['dense_load']:.3f}")
     print(f"ratio (encode + apply) / dense load_weights: {(med['encode'] + med['apply']) / med['dense_load']:.3f}")
-    ok_ck = engine.checksums() == {n: tensor_checksum(bits_view(x)) for n, x in w1.items()} == engine.checksums(True)
+    ok_ck = engine.checksums().canonical == {n: tensor_checksum(bits_view(x)) for n, x in w1.items()} \
+        == engine.checksums(True).canonical
     refit, ours1 = engine_params(engine.llm), engine.generate(PROMPTS, a.tokens)[0]
     engine.close()
     with VllmEngine.start(str(step1), key=KEY, **ARGS) as fresh:

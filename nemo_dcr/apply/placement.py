@@ -358,10 +358,24 @@ def placement_to_json(placement: RankPlacement) -> dict:
                     primary=[list(p) for p in tp.primary]) for n, tp in placement.items()}
 
 
+_JSON_KEYS = ("shape", "param", "param_shape", "canon", "local", "length", "primary")
+
+
 def placement_from_json(obj: Mapping) -> dict[str, TensorPlacement]:
-    """Inverse of :func:`placement_to_json`."""
+    """Inverse of :func:`placement_to_json`.
+
+    Raises:
+        PlacementError: an entry without exactly its keys, or runs of unequal lengths (names the tensor).
+    """
+    if not isinstance(obj, Mapping):
+        raise PlacementError(f"a placement is an object of canonical name -> entry, got {type(obj).__name__}")
     out = {}
     for n, o in obj.items():
+        if not isinstance(o, Mapping) or sorted(o) != sorted(_JSON_KEYS):
+            raise PlacementError(f"placement of {n}: keys {sorted(o) if isinstance(o, Mapping) else o!r}, "
+                                 f"expected {sorted(_JSON_KEYS)}")
+        if not len(o["canon"]) == len(o["local"]) == len(o["length"]):
+            raise PlacementError(f"placement of {n}: canon, local and length differ in length")
         runs = Runs(np.array(o["canon"], np.int64), np.array(o["local"], np.int64), np.array(o["length"], np.int64))
         out[n] = TensorPlacement(n, tuple(o["shape"]), o["param"], tuple(o["param_shape"]), runs,
                                  tuple(tuple(p) for p in o["primary"]))
