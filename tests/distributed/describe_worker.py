@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 
 def _built(dims, **config_changes):
-    from nemo_dcr.integrations.megatron import build as am
+    from nemo_dcr.tools.megatron import build as am
 
     chunks = am.build_gpt_model(dims, torch.bfloat16)
     for k, v in config_changes.items():
@@ -31,7 +31,7 @@ def _error(fn) -> str:
 def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from nemo_dcr.integrations.megatron import build as am
+    from nemo_dcr.tools.megatron import build as am
     from nemo_dcr.integrations.megatron.describe import dims_from_model
     from nemo_dcr.layout import MODELS
     from nemo_dcr.refit import source_for

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.checkpoint import load_checkpoint
-from nemo_dcr.integrations.megatron import build as am
+from nemo_dcr.tools.megatron import build as am
 from nemo_dcr.tools.megatron.dense import load_hf
 from nemo_dcr.tools.megatron.train import pipeline_logits
 from nemo_dcr.layout import model_dims

@@ -113,7 +113,7 @@ class _Trainer:
     """A megatron-core policy on this rank and the refit that follows it."""
 
     def __init__(self, cfg: ChaosConfig, rank: int):
-        from nemo_dcr.integrations.megatron import build as am
+        from nemo_dcr.tools.megatron import build as am
         from nemo_dcr.integrations.megatron.params import local_params
         from nemo_dcr.tools.megatron.train import MasterAdamW
         from nemo_dcr.layout import model_dims

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dcr.checkpoint import load_checkpoint
-from nemo_dcr.integrations.megatron import build as am
+from nemo_dcr.tools.megatron import build as am
 from nemo_dcr.integrations.megatron.params import local_params
 from nemo_dcr.tools.megatron.dense import load_hf
 from nemo_dcr.tools.megatron.train import MasterAdamW, pipeline_forward_backward
