@@ -19,7 +19,7 @@ write guard held), then the driver tells all ranks to :meth:`~TensorEngine.commi
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
@@ -29,18 +29,13 @@ from nemo_dcr.codec import DcrIndexes
 from nemo_dcr.types import host_bits, int_view, spec_of
 
 from .contract import EngineChecksums, Parts, shard_parts, tensor_digests
-from .errors import RefitRefusedError
-from .guard import VersionGuard
+from .guard import PendingSlot, VersionGuard
 from .placement import Fills, RankPlacement, fills_outside_views, placement_to_json
 from .shard_view import ShardView
 from .sums import HeldSums
 from .transaction import (ApplyResult, Bases, FaultHook, PayloadCheck, Prepared, UndoSettings, prepare_parts,
                           prepare_resync)
 from .undo import UNDO_MEMORY_BYTES, UndoLog
-
-class PendingVersionError(RefitRefusedError):
-    """A prepared version is waiting for commit or rollback (or none is, when one was expected)."""
-
 
 class TensorEngine:
     """Live tensors that move from version to version only by whole transactions.
@@ -78,7 +73,7 @@ class TensorEngine:
         self.sums = HeldSums(self.tensors, self.placed)
         self.fault: FaultHook | None = None
         self.check: PayloadCheck | None = None  # engine-specific rules on decoded changes (an FP8 engine's)
-        self._pending: tuple[Prepared, ExitStack, UndoLog | None] | None = None
+        self._pending: PendingSlot[tuple[Prepared, UndoLog | None]] = PendingSlot(self.guard)
         if placement is not None:
             self.build_indexes()  # the first refit then decodes in proportion to its changes (if kept)
 
@@ -103,10 +98,8 @@ class TensorEngine:
             IncompletePartsError: parts for another shard (nothing written).
             RefitRefusedError, DeltaFormatError: as :func:`~.transaction.prepare_parts`.
         """
-        self._refuse_if_pending("another prepare")
         [mine] = shard_parts(parts, 1)
-        hold = ExitStack()
-        hold.enter_context(self.guard.write())
+        hold = self._pending.open()
         try:
             if resync:
                 prepared = prepare_resync(self.tensors, mine, self.version, self.key, self.fault, self.undo,
@@ -118,7 +111,7 @@ class TensorEngine:
         except BaseException:
             hold.close()
             raise
-        self._pending = (prepared, hold, fills)
+        self._pending.keep((prepared, fills), prepared.result.target_version, hold)
         return prepared.result
 
     def _write_fills(self, prepared: Prepared) -> UndoLog | None:
@@ -143,11 +136,11 @@ class TensorEngine:
     @property
     def pending(self) -> ApplyResult | None:
         """The prepared, not yet committed version (None if there is none)."""
-        return None if self._pending is None else self._pending[0].result
+        return None if self._pending.item is None else self._pending.item[0].result
 
     def commit(self) -> ApplyResult:
         """Move to the prepared version (drops its undo log, releases the write guard)."""
-        prepared, hold, fills = self._take_pending("commit")
+        (prepared, fills), hold = self._pending.take("commit")
         with hold:
             prepared.release()
             if fills is not None:
@@ -164,24 +157,12 @@ class TensorEngine:
 
     def rollback(self) -> ApplyResult:
         """Undo the prepared version bit for bit (the engine keeps its old version)."""
-        prepared, hold, fills = self._take_pending("roll back")
+        (prepared, fills), hold = self._pending.take("roll back")
         with hold:
             if fills is not None:
                 fills.rollback()
             prepared.rollback()
         return prepared.result
-
-    def _refuse_if_pending(self, what: str) -> None:
-        """Raise instead of waiting on our own write guard (it is held while a version is pending)."""
-        if self._pending is not None:
-            raise PendingVersionError(f"{what} while version {self._pending[0].result.target_version} "
-                                      "is prepared: commit or roll back first")
-
-    def _take_pending(self, verb: str) -> tuple[Prepared, ExitStack, UndoLog | None]:
-        if self._pending is None:
-            raise PendingVersionError(f"nothing to {verb}: no version is prepared (engine at v{self.version})")
-        pending, self._pending = self._pending, None
-        return pending
 
     def dense_refit(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> EngineChecksums:
         """A conventional dense refit (the baseline benchmarks compare against): ``write`` overwrites
@@ -193,7 +174,7 @@ class TensorEngine:
         Raises:
             PendingVersionError: a prepared version waits for commit or rollback.
         """
-        self._refuse_if_pending("a dense refit")
+        self._pending.refuse("a dense refit")
         with self.guard.write():
             write(self.params)
             self.sums.rescan()
@@ -223,7 +204,7 @@ class TensorEngine:
             PendingVersionError: a full scan while a version is prepared.
         """
         if full:
-            self._refuse_if_pending("a full checksum scan")
+            self._pending.refuse("a full checksum scan")
             with self.guard.read():
                 self.sums.rescan()
         return self.sums.value()
@@ -234,7 +215,7 @@ class TensorEngine:
         Raises:
             PendingVersionError: while a version is prepared.
         """
-        self._refuse_if_pending("digests")
+        self._pending.refuse("digests")
         with self.guard.read():
             return tensor_digests(self.params)
 

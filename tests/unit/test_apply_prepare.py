@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nemo_dcr.apply import TensorEngine, VersionMismatchError
-from nemo_dcr.apply.engine import PendingVersionError
+from nemo_dcr.apply.errors import PendingVersionError
 from nemo_dcr.apply.placement import Runs, TensorPlacement, assign_primary
 from nemo_dcr.codec import Identity, encode
 from nemo_dcr.codec.errors import BaseChecksumMismatchError

@@ -26,12 +26,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Iterator, Mapping, Sequence
 
 from nemo_dcr.apply import ApplyResult, EngineChecksums, Parts, RefitRefusedError, VersionGuard
 from nemo_dcr.apply.contract import shard_parts
-from nemo_dcr.apply.engine import PendingVersionError
+from nemo_dcr.apply.guard import PendingSlot
 from nemo_dcr.apply.placement import assign_primary, check_coverage, placement_from_json, placement_to_json
 from nemo_dcr.verify.checksum import MASK64
 
@@ -92,7 +92,7 @@ class VllmEngine:
         """Per rank, seconds its last prepare took (decode, validate, write, verify, repack)."""
         self.last_dense: list[dict] = []
         """Per rank, the timings of the last :meth:`load_weights`."""
-        self._pending: tuple[ApplyResult, ExitStack] | None = None
+        self._pending: PendingSlot[ApplyResult] = PendingSlot(self.guard)
         self._checksums = self._summed(llm.collective_rpc("dcr_checksums", args=(False,)))
 
     @classmethod
@@ -150,10 +150,8 @@ class VllmEngine:
             IncompletePartsError: parts for a rank this engine does not have (nothing written).
             RankRefusedError: some rank refused or failed verification; all ranks rolled back.
         """
-        self._refuse_if_pending("another prepare")
         by_rank = shard_parts(parts, self.tp)
-        hold = ExitStack()
-        hold.enter_context(self.guard.write())
+        hold = self._pending.open()
         try:
             with _carried(by_rank, self.tp) as carried:
                 replies = self.llm.collective_rpc("dcr_prepare", args=(carried, resync))
@@ -172,12 +170,12 @@ class VllmEngine:
                 touched[n] = touched.get(n, 0) + c
         result = ApplyResult(replies[0]["base"], replies[0]["target"], touched, {}, resync,
                              sum(x["undo_bytes"] for x in replies))
-        self._pending = (result, hold)
+        self._pending.keep(result, result.target_version, hold)
         return result
 
     def commit(self) -> ApplyResult:
         """Every rank moves to the prepared version; the summed checksums follow."""
-        result, hold = self._take_pending("commit")
+        result, hold = self._pending.take("commit")
         with hold:
             self._checksums = self._summed(self.llm.collective_rpc("dcr_commit"))
             self.guard.version = result.target_version
@@ -186,35 +184,23 @@ class VllmEngine:
 
     def rollback(self) -> ApplyResult:
         """Every rank undoes the prepared version bit for bit."""
-        result, hold = self._take_pending("roll back")
+        result, hold = self._pending.take("roll back")
         with hold:
             self.llm.collective_rpc("dcr_rollback")
         return result
-
-    def _refuse_if_pending(self, what: str) -> None:
-        """Raise instead of waiting on our own write guard (held while a version is prepared)."""
-        if self._pending is not None:
-            raise PendingVersionError(f"{what} while version {self._pending[0].target_version} is prepared: "
-                                      "commit or roll back first")
-
-    def _take_pending(self, verb: str) -> tuple[ApplyResult, ExitStack]:
-        if self._pending is None:
-            raise PendingVersionError(f"nothing to {verb}: no version is prepared (engine at v{self.version})")
-        pending, self._pending = self._pending, None
-        return pending
 
     def checksums(self, full: bool = False) -> EngineChecksums:
         """Canonical checksums summed over the ranks and each rank's views (incremental, or a
         full rescan on every rank)."""
         if full:
-            self._refuse_if_pending("a full checksum scan")
+            self._pending.refuse("a full checksum scan")
             with self.guard.read():
                 self._checksums = self._summed(self.llm.collective_rpc("dcr_checksums", args=(True,)))
         return self._checksums
 
     def digests(self) -> dict[str, str]:
         """sha256 of every param of every rank, as ``"<rank>:<param>"``."""
-        self._refuse_if_pending("digests")
+        self._pending.refuse("digests")
         with self.guard.read():
             per_rank = self.llm.collective_rpc("dcr_digests")
         return {f"{r}:{n}": d for r, ds in enumerate(per_rank) for n, d in ds.items()}
@@ -250,7 +236,7 @@ class VllmEngine:
         conventional refit), then a full checksum rescan.  Returns the summed canonical
         checksums; :attr:`last_dense` keeps the ranks' timings (``load_seconds``, ``seconds``).
         """
-        self._refuse_if_pending("a dense load")
+        self._pending.refuse("a dense load")
         with self.guard.write():
             replies = self.llm.collective_rpc("dcr_load_weights", args=(str(path), version))
             self._checksums = self._summed(replies)
