@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nemo_dcr.apply import TensorEngine  # noqa: E402
+from nemo_dcr.apply import TensorEngine, apply_version  # noqa: E402
 from nemo_dcr.checkpoint import load_checkpoint  # noqa: E402
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas  # noqa: E402
 from nemo_dcr.codec.dcr import DcrIndex, decode_dcr, encode_dcr  # noqa: E402
@@ -43,7 +43,7 @@ from nemo_dcr.codec.dcr.jit_encode import onepass_ranks  # noqa: E402
 from nemo_dcr.kernels import write_bits  # noqa: E402
 from nemo_dcr.kernels.scan import changed_bits_np  # noqa: E402
 from nemo_dcr.types import DTYPES, SparseDelta, bits_view, spec_of  # noqa: E402
-from nemo_dcr.verify.checksum import tensor_checksum, tensor_checksum_np, updated_checksum  # noqa: E402
+from nemo_dcr.verify.checksum import checksums_after, tensor_checksum, tensor_checksum_np  # noqa: E402
 from tests.oracles import decode_dcr_np, decode_dcr_per_group, encode_dcr_np, encode_dcr_per_group  # noqa: E402
 
 
@@ -151,11 +151,11 @@ class Side:
         data = encode_deltas(deltas, self.bits, Identity(base_version=version, target_version=version + 1), "dcr",
                              None, self.checksums, self.indexes)
         t1 = time.process_time()
-        self.engine.apply([data])
+        apply_version(self.engine, {0: [data]})
         t2 = time.process_time()
+        self.checksums = checksums_after(self.checksums, [d for d in deltas if d.nnz])
         for d in deltas:
             if d.nnz:
-                self.checksums[d.name] = updated_checksum(self.checksums[d.name], d.positions, d.old_bits, d.new_bits)
                 write_bits(self.base[d.name], d.positions, d.new_bits)
         self.indexes.update(deltas)
         t3 = time.process_time()

@@ -11,8 +11,8 @@ resets the kernel's peak-RSS mark (``/proc/self/clear_refs``), runs the step and
 
 Steps (``--only``):
   decode-reference, decode-dcr  ``codec.decode`` against the base (output held: positions and bits)
-  apply-reference               ``TensorEngine.apply`` (decode + undo log + write + verify)
-  resync-reference              ``TensorEngine.resync`` of the whole tensor (undo log of a resync)
+  apply-reference               ``apply_version`` on a ``TensorEngine`` (decode + undo log + write + verify)
+  resync-reference              the same with ``resync=True``, the whole tensor (undo log of a resync)
                                 (the engines hold at most ``--undo-limit-mb`` of old bits, default
                                 256, and spill the rest to a temporary file)
   header                        ``codec.inspect`` of a small unauthenticated payload whose header
@@ -112,7 +112,7 @@ def prepare(workdir: Path, numel: int, kinds) -> dict:
 def child(kind: str, workdir: Path, undo_limit: int) -> dict:
     """One step in this (fresh) process; prints nothing, returns its figures."""
     from nemo_dcr import codec
-    from nemo_dcr.apply import TensorEngine
+    from nemo_dcr.apply import TensorEngine, apply_version
     from nemo_dcr.verify.checksum import tensor_checksum
 
     from nemo_dcr.codec.warm import warm
@@ -136,11 +136,11 @@ def child(kind: str, workdir: Path, undo_limit: int) -> dict:
     elif kind.startswith("apply"):
         payload = (workdir / f"{enc}.ndcr").read_bytes()
         engine = TensorEngine({"e": base}, undo_limit_bytes=undo_limit)
-        fn = lambda: engine.apply([payload])  # noqa: E731
+        fn = lambda: apply_version(engine, {0: [payload]})  # noqa: E731
     else:
         payload = (workdir / "resync.ndcr").read_bytes()
         engine = TensorEngine({"e": base}, undo_limit_bytes=undo_limit)
-        fn = lambda: engine.resync([payload])  # noqa: E731
+        fn = lambda: apply_version(engine, {0: [payload]}, resync=True)  # noqa: E731
     extra, seconds, result = measure(fn)
     figures = {"peak_extra_bytes": extra, "seconds": seconds}
     if hasattr(result, "undo_bytes"):

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.checkpoint import load_checkpoint
-from nemo_dcr.refit.messages import QUERY_DIGESTS, EngineReply
+from nemo_dcr.refit.messages import Ask, EngineReply
 from nemo_dcr.telemetry.phases import Phase, PhaseClock
 from nemo_dcr.transport import DistTransport, Envelope, MessageKind
 from nemo_dcr.types import int_view, spec_of
@@ -93,26 +93,39 @@ def unpack_dense_into(body: bytes, tensors: dict[str, torch.Tensor]) -> int:
 
 # ---------------------------------------------------------------- engine process
 class TimedEngine:
-    """Forwards the server's verbs to an :class:`HFEngine` and times every apply."""
+    """An :class:`HFEngine` behind the engine contract, timing every apply (prepare to commit)."""
 
     def __init__(self, engine):
         self.inner = engine
         self.apply_s: dict[int, float] = {}
+        self._t0 = 0.0
 
     version = property(lambda self: self.inner.version)
-    tensors = property(lambda self: self.inner.tensors)
 
-    def apply(self, parts):
-        t0 = time.perf_counter()
-        result = self.inner.apply(parts)
-        self.apply_s[result.target_version] = time.perf_counter() - t0
+    def placement(self):
+        return self.inner.placement()
+
+    def prepare(self, parts, resync=False):
+        self._t0 = time.perf_counter()
+        return self.inner.prepare(parts, resync)
+
+    def commit(self):
+        result = self.inner.commit()
+        if not result.resync:
+            self.apply_s[result.target_version] = time.perf_counter() - self._t0
         return result
 
-    def resync(self, parts):
-        return self.inner.resync(parts)
+    def rollback(self):
+        return self.inner.rollback()
 
     def checksums(self, full: bool = False):
         return self.inner.checksums(full)
+
+    def digests(self):
+        return self.inner.digests()
+
+    def serving(self):
+        return self.inner.serving()
 
 
 def _dense_part(timed: TimedEngine, env: Envelope, transport, held: list, times: dict) -> None:
@@ -133,7 +146,7 @@ def _dense_part(timed: TimedEngine, env: Envelope, transport, held: list, times:
     checksums = timed.inner.engine.dense_refit(write, env.version)
     times[env.version] = dict(apply=clock["apply"], verify=time.perf_counter() - t0 - clock["apply"])
     held.clear()
-    reply = EngineReply(True, env.version, checksums=checksums)
+    reply = EngineReply(True, env.version, checksums=checksums.canonical)
     transport.send(env.sender, Envelope(MessageKind.ACK, env.version, ENGINE, body=reply.to_bytes()))
     transport.flush()
 
@@ -239,7 +252,7 @@ class Trainer:
 
     def digests_match(self) -> bool:
         """sha256 of every tensor, trainer vs engine."""
-        engine = self.refit.sender.query(QUERY_DIGESTS)[0].digests
+        engine = self.refit.sender.query(Ask.DIGESTS)[0].digests
         mine = {n: hashlib.sha256(int_view(p).numpy().tobytes()).hexdigest() for n, p in self.params.items()}
         return engine == mine
 

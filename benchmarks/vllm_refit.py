@@ -46,7 +46,7 @@ def ensure_steps(run: Path) -> tuple[Path, Path]:
 def placement_table(engine) -> list[str]:
     """One row per (canonical pattern -> vLLM param pattern) with shapes; layer indices folded."""
     rows = {}
-    for name, p in engine.placement_json()[0].items():
+    for name, p in engine.placement()[0].items():
         key = (re.sub(r"\.\d+\.", ".N.", name), re.sub(r"\.\d+\.", ".N.", p["param"]))
         rows.setdefault(key, (p["shape"], p["param_shape"], len(p["canon"]), 0))
         s, ps, runs, n = rows[key]
@@ -109,6 +109,7 @@ def stock_generation(step: Path, tokens: int) -> dict:
 
 def refits(engine, w0, w1, step0: Path, reps: int) -> dict:
     """N x (dense to step_0, delta step_0 -> step_1); phase seconds per repetition."""
+    from nemo_dcr.apply import apply_version
     from nemo_dcr.codec import Identity, diff_tensors
     from nemo_dcr.refit.fanout import Fanout
     from nemo_dcr.refit.mirror import SenderMirror
@@ -123,13 +124,12 @@ def refits(engine, w0, w1, step0: Path, reps: int) -> dict:
         out["dense_total"].append(time.perf_counter() - t0)
         out["dense_load"].append(engine.last_dense[0]["load_seconds"])
         mirror.reset(w0, v)
-        fanout.reset()
         t0 = time.perf_counter()
         deltas = mirror.changes(diff_tensors(w0, w1))
         t1 = time.perf_counter()
         parts = fanout.encode(deltas, Identity(base_version=v, target_version=v + 1), "dcr", KEY, 1 << 22)
         t2 = time.perf_counter()
-        result = engine.apply(parts)
+        result = apply_version(engine, parts)
         t3 = time.perf_counter()
         out["diff"].append(t1 - t0)
         out["encode"].append(t2 - t1)
@@ -185,7 +185,8 @@ def run_all(a, step0: Path, step1: Path) -> dict:
     med = {k: statistics.median(v) for k, v in t.items() if isinstance(v, list)}
     print(f"ratio engine apply / dense load_weights: {med['apply'] / med['dense_load']:.3f}")
     print(f"ratio (encode + apply) / dense load_weights: {(med['encode'] + med['apply']) / med['dense_load']:.3f}")
-    ok_ck = engine.checksums() == {n: tensor_checksum(bits_view(x)) for n, x in w1.items()} == engine.checksums(True)
+    ok_ck = engine.checksums().canonical == {n: tensor_checksum(bits_view(x)) for n, x in w1.items()} \
+        == engine.checksums(True).canonical
     refit, ours1 = engine_params(engine.llm), engine.generate(PROMPTS, a.tokens)[0]
     engine.close()
     with VllmEngine.start(str(step1), key=KEY, **ARGS) as fresh:

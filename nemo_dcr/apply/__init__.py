@@ -1,18 +1,20 @@
-"""Transactional engine-side apply: validate every part, write with an undo log, verify, commit.
+"""Engine side: the engine contract and the transactional in-place apply behind it.
 
 Usage::
 
-    from nemo_dcr.apply import TensorEngine
+    from nemo_dcr.apply import TensorEngine, apply_version
     engine = TensorEngine(named_tensors, version=0, key=key)
-    result = engine.apply([payload])      # ApplyResult(touched={name: count}, ...)
+    result = apply_version(engine, {0: [payload]})   # ApplyResult(touched={name: count}, ...)
 """
 
+from .contract import Engine, EngineChecksums, Parts, apply_version
 from .engine import TensorEngine
-from .errors import ApplyVerificationError, IncompletePartsError, InjectedFault, RefitRefusedError, VersionMismatchError
+from .errors import (ApplyVerificationError, IncompletePartsError, InjectedFault, PendingVersionError, RefitRefusedError,
+                     VersionMismatchError)
 from .guard import VersionGuard
 from .transaction import ApplyResult, UndoSettings, apply_parts, resync_parts
 from .undo import UNDO_MEMORY_BYTES, UndoLog
 
-__all__ = ["ApplyResult", "ApplyVerificationError", "IncompletePartsError", "InjectedFault",
-           "RefitRefusedError", "TensorEngine", "UNDO_MEMORY_BYTES", "UndoLog", "UndoSettings", "VersionGuard",
-           "VersionMismatchError", "apply_parts", "resync_parts"]
+__all__ = ["ApplyResult", "ApplyVerificationError", "Engine", "EngineChecksums", "IncompletePartsError",
+           "InjectedFault", "Parts", "PendingVersionError", "RefitRefusedError", "TensorEngine", "UNDO_MEMORY_BYTES", "UndoLog",
+           "UndoSettings", "VersionGuard", "VersionMismatchError", "apply_parts", "apply_version", "resync_parts"]

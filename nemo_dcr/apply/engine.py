@@ -1,51 +1,48 @@
-"""An engine over named tensors: version state, transactional apply, checksums, a read guard.
+"""An engine over live tensors: version state, transactional apply, checksums, a read guard.
 
-Real engines (``nemo_dcr.integrations.hf.engine``, the vLLM worker extension) hand their live
-parameters to a :class:`TensorEngine` and wrap their generate call in :meth:`serving`.
+:class:`TensorEngine` implements the engine contract (:class:`~.contract.Engine`) over either
+
+* **named tensors**: canonical name -> live tensor, held whole (a transformers model's
+  parameters, a CPU engine of zeros), or
+* **engine params plus a placement** (``placement=``): each canonical tensor is the view of the
+  elements this rank holds inside one engine param (:class:`~.shard_view.ShardView`: fused
+  ``qkv_proj``, a TP shard, a range of MoE experts), probed from the engine's own loaders
+  (:mod:`~.placement`).  Payload records then index the view, so the transaction, its undo log
+  and its codec checksums work unchanged, and the engine reports the layout-independent canonical
+  sums of its primary elements (:class:`~.sums.HeldSums`, the one owner of both checksum spaces).
 
 An engine spread over several processes (vLLM's TP ranks) commits a version only when every
 rank verified it: each rank :meth:`TensorEngine.prepare`-s (written, verified, undo log kept,
 write guard held), then the driver tells all ranks to :meth:`~TensorEngine.commit` or to
-:meth:`~TensorEngine.rollback`.  :meth:`TensorEngine.apply` is prepare-then-commit.
+:meth:`~TensorEngine.rollback`.
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
-from typing import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from nemo_dcr.codec import DcrIndexes
 from nemo_dcr.types import host_bits, int_view, spec_of
-from nemo_dcr.verify.checksum import tensor_checksum
 
-from .errors import RefitRefusedError
-from .guard import VersionGuard
+from .contract import EngineChecksums, Parts, shard_parts, tensor_digests
+from .guard import PendingSlot, VersionGuard
+from .placement import Fills, RankPlacement, fills_outside_views, placement_to_json
 from .shard_view import ShardView
+from .sums import HeldSums
 from .transaction import (ApplyResult, Bases, FaultHook, PayloadCheck, Prepared, UndoSettings, prepare_parts,
                           prepare_resync)
-from .undo import UNDO_MEMORY_BYTES
-
-
-class PendingVersionError(RefitRefusedError):
-    """A prepared version is waiting for commit or rollback (or none is, when one was expected)."""
-
-
-def full_checksums(tensors: Mapping[str, "torch.Tensor | ShardView"]) -> dict[str, int]:
-    """Checksum of every tensor by a full scan (index = flat index, or view index for a view)."""
-    out = {}
-    for name, t in tensors.items():
-        t = t.gather() if isinstance(t, ShardView) else t
-        out[name] = tensor_checksum(int_view(t).cpu().numpy().view(spec_of(t.dtype).uint))
-    return out
-
+from .undo import UNDO_MEMORY_BYTES, UndoLog
 
 class TensorEngine:
-    """Named live tensors that move from version to version only by whole transactions.
+    """Live tensors that move from version to version only by whole transactions.
 
     Args:
-        tensors: canonical name -> live tensor (contiguous; written in place).
+        tensors: canonical name -> live tensor (contiguous; written in place); with ``placement``,
+            engine param name -> live param instead.
         version: the version these tensors hold.
         key: HMAC key every payload must carry (None: unauthenticated payloads).
         keep_index: keep a ``dcr`` class index per tensor between versions (host memory of about
@@ -54,74 +51,102 @@ class TensorEngine:
         undo_limit_bytes: old bits a transaction's undo log holds in memory at most; the rest is
             spilled to a temporary file (:mod:`nemo_dcr.apply.undo`).
         spill_dir: folder of that file (default: the system's temporary folder).
+        placement: canonical name -> where this rank holds it (primary holders assigned); None:
+            ``tensors`` are the canonical tensors, held whole.
+        fills: constants the engine's loaders write into params (``{param: [(positions, values)]}``,
+            vocab padding); after a resync those outside every view are written into the resynced
+            params in the same transaction, so a resync ends bit-identical to a fresh load.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = 0, key: bytes | None = None,
-                 keep_index: bool = True, undo_limit_bytes: int = UNDO_MEMORY_BYTES, spill_dir: str | None = None):
-        self.tensors = dict(tensors)
+                 keep_index: bool = True, undo_limit_bytes: int = UNDO_MEMORY_BYTES, spill_dir: str | None = None,
+                 *, placement: RankPlacement | None = None, fills: Fills | None = None):
+        self.params = dict(tensors)
+        self.placed = dict(placement or {})
+        self.tensors = self.params if placement is None else {
+            n: ShardView(self.params[tp.param], tp.runs) for n, tp in self.placed.items()}
+        self.fills = fills_outside_views(fills or {}, self.placed)
         self.key = key
         self.indexes = DcrIndexes() if keep_index else None
         self.undo = UndoSettings(undo_limit_bytes, spill_dir)
         self.guard = VersionGuard(version)
-        self._checksums = full_checksums(self.tensors)
+        self.sums = HeldSums(self.tensors, self.placed)
         self.fault: FaultHook | None = None
         self.check: PayloadCheck | None = None  # engine-specific rules on decoded changes (an FP8 engine's)
-        self._pending: tuple[Prepared, ExitStack] | None = None
+        self._pending: PendingSlot[tuple[Prepared, UndoLog | None]] = PendingSlot(self.guard)
+        if placement is not None:
+            self.build_indexes()  # the first refit then decodes in proportion to its changes (if kept)
 
     @property
     def version(self) -> int:
         """The version every tensor holds (never a mix)."""
         return self.guard.version
 
-    def apply(self, parts: Sequence[bytes]) -> ApplyResult:
-        """Apply one version's parts as a transaction (see :func:`~.transaction.apply_parts`)."""
-        self.prepare(parts)
-        return self.commit()
+    def placement(self) -> list[dict]:
+        """This rank's placement as one shard (JSON form), or none for tensors held whole."""
+        return [placement_to_json(self.placed)] if self.placed else []
 
-    def resync(self, parts: Sequence[bytes]) -> ApplyResult:
-        """Overwrite the named tensors from a full resync (see :func:`~.transaction.resync_parts`)."""
-        self.prepare(parts, resync=True)
-        return self.commit()
-
-    def prepare(self, parts: Sequence[bytes], resync: bool = False) -> ApplyResult:
-        """Validate, write and verify one version; keep its undo log and the write guard.
+    def prepare(self, parts: Parts, resync: bool = False) -> ApplyResult:
+        """Validate, write and verify one version (shard 0's parts); keep its undo log and the
+        write guard.
 
         Until :meth:`commit` or :meth:`rollback`, :attr:`version` stays the old one and readers
         (:meth:`serving`) wait.  A failure rolls back at once and releases the guard.
 
         Raises:
             PendingVersionError: another prepared version is pending (nothing written).
+            IncompletePartsError: parts for another shard (nothing written).
             RefitRefusedError, DeltaFormatError: as :func:`~.transaction.prepare_parts`.
         """
-        if self._pending is not None:
-            raise PendingVersionError(f"version {self._pending[0].result.target_version} is prepared and "
-                                      "not yet committed or rolled back")
-        hold = ExitStack()
-        hold.enter_context(self.guard.write())
+        [mine] = shard_parts(parts, 1)
+        hold = self._pending.open()
         try:
             if resync:
-                prepared = prepare_resync(self.tensors, parts, self.version, self.key, self.fault, self.undo,
+                prepared = prepare_resync(self.tensors, mine, self.version, self.key, self.fault, self.undo,
                                           self.check)
             else:
-                prepared = prepare_parts(self.tensors, parts, self.version, self._checksums, self.key, self.fault,
+                prepared = prepare_parts(self.tensors, mine, self.version, self.sums.views, self.key, self.fault,
                                          self.indexes, self.undo, self.check)
+            fills = self._write_fills(prepared) if resync else None
         except BaseException:
             hold.close()
             raise
-        self._pending = (prepared, hold)
+        self._pending.keep((prepared, fills), prepared.result.target_version, hold)
         return prepared.result
+
+    def _write_fills(self, prepared: Prepared) -> UndoLog | None:
+        """The loaders' constants in the params a resync wrote (rolled back with it on failure)."""
+        params = sorted({self.placed[n].param for n in prepared.result.touched if n in self.placed} & set(self.fills))
+        if not params:
+            return None
+        undo = UndoLog()
+        try:
+            for param in params:
+                flat = int_view(self.params[param])
+                for pos, values in self.fills[param]:
+                    bits = int_view(torch.from_numpy(values).to(self.params[param].dtype).reshape(-1))
+                    where = torch.from_numpy(np.ascontiguousarray(pos)).to(flat.device)
+                    undo.scatter(flat, where, bits.to(flat.device))
+        except BaseException:
+            undo.rollback()
+            prepared.rollback()
+            raise
+        return undo
 
     @property
     def pending(self) -> ApplyResult | None:
         """The prepared, not yet committed version (None if there is none)."""
-        return None if self._pending is None else self._pending[0].result
+        return None if self._pending.item is None else self._pending.item[0].result
 
     def commit(self) -> ApplyResult:
         """Move to the prepared version (drops its undo log, releases the write guard)."""
-        prepared, hold = self._take_pending("commit")
+        (prepared, fills), hold = self._pending.take("commit")
         with hold:
             prepared.release()
-            self._commit(prepared.result)
+            if fills is not None:
+                fills.close()
+            self.sums.commit(prepared.result)
+            self.guard.version = prepared.result.target_version
             if self.indexes is not None:  # only a committed version moves the indexes
                 if prepared.result.resync:
                     self.indexes.drop(prepared.result.touched)
@@ -132,43 +157,31 @@ class TensorEngine:
 
     def rollback(self) -> ApplyResult:
         """Undo the prepared version bit for bit (the engine keeps its old version)."""
-        prepared, hold = self._take_pending("roll back")
+        (prepared, fills), hold = self._pending.take("roll back")
         with hold:
+            if fills is not None:
+                fills.rollback()
             prepared.rollback()
         return prepared.result
 
-    def _refuse_if_pending(self, what: str) -> None:
-        """Raise instead of waiting on our own write guard (it is held while a version is pending)."""
-        if self._pending is not None:
-            raise PendingVersionError(f"{what} while version {self._pending[0].result.target_version} "
-                                      "is prepared: commit or roll back first")
-
-    def _take_pending(self, verb: str) -> tuple[Prepared, ExitStack]:
-        if self._pending is None:
-            raise PendingVersionError(f"nothing to {verb}: no version is prepared (engine at v{self.version})")
-        pending, self._pending = self._pending, None
-        return pending
-
-    def dense_refit(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> dict[str, int]:
+    def dense_refit(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> EngineChecksums:
         """A conventional dense refit (the baseline benchmarks compare against): ``write`` overwrites
-        the live tensors under the write guard, then a full checksum scan; moves to ``version``.
+        the live tensors (:attr:`params`) by its own means under the write guard, then a full
+        checksum scan; moves to ``version``.
 
         No undo log and no payload checks: a failure in ``write`` leaves the tensors mixed.
-
-        Returns:
-            The full checksums after the write.
 
         Raises:
             PendingVersionError: a prepared version waits for commit or rollback.
         """
-        self._refuse_if_pending("a dense refit")
+        self._pending.refuse("a dense refit")
         with self.guard.write():
-            write(self.tensors)
-            self._checksums = full_checksums(self.tensors)
+            write(self.params)
+            self.sums.rescan()
             if self.indexes is not None:  # keep the indexes of tensors whose bits did not change
-                self.indexes.keep_current(self._checksums)
+                self.indexes.keep_current(self.sums.views)
             self.guard.version = version
-        return dict(self._checksums)
+        return self.sums.value()
 
     def build_indexes(self, names=None) -> None:
         """Build the kept ``dcr`` class indexes of ``names`` (default: every tensor) now, so the next
@@ -179,24 +192,32 @@ class TensorEngine:
         bases = Bases(self.tensors)
         for name in self.tensors if names is None else names:
             t = bases[name]
-            self.indexes.get(name, host_bits(t), spec_of(t.dtype), self._checksums[name])
+            self.indexes.get(name, host_bits(t), spec_of(t.dtype), self.sums.views[name])
 
-    def _commit(self, result: ApplyResult) -> None:
-        self._checksums.update(result.checksums)
-        self.guard.version = result.target_version
-
-    def checksums(self, full: bool = False) -> dict[str, int]:
-        """Per-tensor checksums: incremental (kept from each verified apply) or a full scan.
+    def checksums(self, full: bool = False) -> EngineChecksums:
+        """Canonical sums and views: incremental (kept from each verified apply) or a full scan.
 
         A full scan also replaces the incremental values, so a later incremental check starts
         from what memory really holds.
+
+        Raises:
+            PendingVersionError: a full scan while a version is prepared.
         """
-        if not full:
-            return dict(self._checksums)
-        self._refuse_if_pending("a full checksum scan")
+        if full:
+            self._pending.refuse("a full checksum scan")
+            with self.guard.read():
+                self.sums.rescan()
+        return self.sums.value()
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every live tensor's bits: the canonical tensors, or the engine params.
+
+        Raises:
+            PendingVersionError: while a version is prepared.
+        """
+        self._pending.refuse("digests")
         with self.guard.read():
-            self._checksums = full_checksums(self.tensors)
-        return dict(self._checksums)
+            return tensor_digests(self.params)
 
     @contextmanager
     def serving(self) -> Iterator[int]:

@@ -33,6 +33,10 @@ class IncompletePartsError(RefitRefusedError):
     """The parts of one version disagree on their versions or name a tensor twice."""
 
 
+class PendingVersionError(RefitRefusedError):
+    """A prepared version is waiting for commit or rollback (or none is, when one was expected)."""
+
+
 class ApplyVerificationError(RefitRefusedError):
     """After writing, a tensor's checksum is not the payload's target checksum (rolled back)."""
 

@@ -32,6 +32,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from nemo_dcr.types import SparseDelta
+
 
 class PlacementError(ValueError):
     """A probe result is not a placement (a value that is not a canonical index, a duplicate)."""
@@ -138,6 +140,36 @@ Loader = Callable[[torch.Tensor, torch.Tensor], None]
 Fills = dict
 """Engine param name -> list of ``(local flat positions, values)`` a loader wrote as constants
 (vLLM zero-fills vocab padding rows): what a fresh load leaves at positions no canonical element has."""
+
+
+def fills_outside_views(fills: Fills, placement: RankPlacement) -> Fills:
+    """The constants of ``fills`` at positions no canonical element of ``placement`` lands on (a
+    loader that clears a whole fused param before writing its slot must not clear the other slots
+    after a resync); cost ∝ constants and runs, never a pass over the params."""
+    out: Fills = {}
+    for param, entries in fills.items():
+        runs = [tp.runs for tp in placement.values() if tp.param == param]
+        starts = np.concatenate([r.local for r in runs]) if runs else np.zeros(0, np.int64)
+        ends = starts + (np.concatenate([r.length for r in runs]) if runs else 0)
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+        kept = []
+        for pos, values in entries:
+            at = np.searchsorted(starts, pos, side="right") - 1
+            inside = (at >= 0) & (pos < ends[np.maximum(at, 0)]) if starts.size else np.zeros(pos.size, bool)
+            if (~inside).any():
+                kept.append((pos[~inside], values[~inside]))
+        if kept:
+            out[param] = kept
+    return out
+
+
+def view_delta(delta: SparseDelta, runs: Runs) -> SparseDelta:
+    """The elements of the canonical ``delta`` that ``runs`` holds, in its view index space (what a
+    record routed to that engine rank carries); cost ∝ changes."""
+    held, view, _ = runs.select(delta.positions)
+    old = None if delta.old_bits is None else delta.old_bits[held]
+    return SparseDelta(delta.name, delta.dtype, (runs.numel,), view, delta.new_bits[held], old)
 
 
 def probe_tensor(name: str, shape: Sequence[int], param: str, param_shape: Sequence[int], load: Loader,
@@ -326,10 +358,24 @@ def placement_to_json(placement: RankPlacement) -> dict:
                     primary=[list(p) for p in tp.primary]) for n, tp in placement.items()}
 
 
+_JSON_KEYS = ("shape", "param", "param_shape", "canon", "local", "length", "primary")
+
+
 def placement_from_json(obj: Mapping) -> dict[str, TensorPlacement]:
-    """Inverse of :func:`placement_to_json`."""
+    """Inverse of :func:`placement_to_json`.
+
+    Raises:
+        PlacementError: an entry without exactly its keys, or runs of unequal lengths (names the tensor).
+    """
+    if not isinstance(obj, Mapping):
+        raise PlacementError(f"a placement is an object of canonical name -> entry, got {type(obj).__name__}")
     out = {}
     for n, o in obj.items():
+        if not isinstance(o, Mapping) or sorted(o) != sorted(_JSON_KEYS):
+            raise PlacementError(f"placement of {n}: keys {sorted(o) if isinstance(o, Mapping) else o!r}, "
+                                 f"expected {sorted(_JSON_KEYS)}")
+        if not len(o["canon"]) == len(o["local"]) == len(o["length"]):
+            raise PlacementError(f"placement of {n}: canon, local and length differ in length")
         runs = Runs(np.array(o["canon"], np.int64), np.array(o["local"], np.int64), np.array(o["length"], np.int64))
         out[n] = TensorPlacement(n, tuple(o["shape"]), o["param"], tuple(o["param_shape"]), runs,
                                  tuple(tuple(p) for p in o["primary"]))

@@ -37,6 +37,7 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
+from nemo_dcr.apply import Engine
 from nemo_dcr.apply.placement import placement_from_json
 from nemo_dcr.capture import BaselineStore, capture
 from nemo_dcr.codec.auth import read_key_file
@@ -45,15 +46,15 @@ from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.transport import Envelope, MessageKind
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.telemetry.phases import TOTAL, TOTAL_SLOWEST_RANK, Phase, PhaseClock, total_seconds
-from nemo_dcr.verify.checksum import updated_checksum
+from nemo_dcr.verify.checksum import checksums_after
 
 from .fp8_mirror import sender_mirror
 from .group import TrainerGroup
-from .messages import QUERY_PLACEMENT
+from .messages import Ask
 from .refit_report import RefitReport
 from .routing import assign_owners
 from .sender import RefitSender, Tamper, verify_due
-from .server import Engine, EngineServer
+from .server import EngineServer
 from .source import TrainerSource, source_for
 from .wiring import Wiring, colocated_wiring
 
@@ -172,7 +173,7 @@ class DeltaRefit:
     def _route_by_placement(self) -> None:
         """Ask the engines where they hold each canonical element; route records per engine rank
         when they hold shards (an engine holding canonical tensors whole reports nothing)."""
-        replies = self.sender.query(QUERY_PLACEMENT)
+        replies = self.sender.query(Ask.PLACEMENT)
         failed = [r.reason for r in replies if not r.ok]
         if failed:
             raise RuntimeError(f"engines did not answer the placement query: {failed}")
@@ -181,7 +182,7 @@ class DeltaRefit:
             if missing:
                 raise RuntimeError(f"engine ranks {missing} hold canonical tensors whole while others hold shards")
             routes = {(e, s): placement_from_json(p) for e, r in zip(self.wiring.engine_ranks, replies)
-                      for s, p in enumerate(r.placement["shards"])}
+                      for s, p in enumerate(r.placement)}
             self.sender.set_routes(routes)
 
     def step(self, tamper: Tamper | None = None, base_skew: int = 0) -> RefitReport:
@@ -200,7 +201,7 @@ class DeltaRefit:
         pieces = self._capture_pieces(version, clock)
         check, full = verify_due(self.cfg, self.refits)
         with clock(Phase.CHECKSUM):
-            current = self.source.checksums() if full else _moved(self._checksums, pieces)
+            current = self.source.checksums() if full else checksums_after(self._checksums, pieces)
         every = self.cfg.full_resync_interval
         if not self.cfg.enabled or (every and self.refits % every == 0):
             report = self.sender.resync(pieces, current)
@@ -284,10 +285,3 @@ def _numel(shape: Sequence[int]) -> int:
         n *= int(s)
     return n
 
-
-def _moved(checksums: dict[str, int], pieces: Sequence[SparseDelta]) -> dict[str, int]:
-    """Partial checksums after ``pieces`` replace their old bits (cost ∝ changes)."""
-    out = dict(checksums)
-    for d in pieces:
-        out[d.name] = updated_checksum(out.get(d.name, 0), d.positions, d.old_bits, d.new_bits)
-    return out

@@ -13,22 +13,22 @@ Two shortcuts keep the cost with the changes:
 * shards with the same view of every tensor they receive (engine data-parallel replicas) share one
   encoding: the payload parts are made once and sent to each of them.
 
-Checksums of partial views are computed once per distinct view and then moved by the encoded
-changes when the engines acknowledge.
+The expected checksums of every view are the mirror's (:meth:`SenderMirror.view_checksum`: the
+one owner of the sender's checksum bookkeeping), moved by its commit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from nemo_dcr.apply.placement import RankPlacement
+from nemo_dcr.apply.placement import RankPlacement, view_delta
 from nemo_dcr.codec import Identity, encode_deltas
 from nemo_dcr.types import SparseDelta
-from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
+from nemo_dcr.verify.checksum import tensor_checksum
 
 from .mirror import SenderMirror
 from .payloads import buckets, resync_payload
@@ -45,8 +45,6 @@ class Fanout:
 
     routes: Mapping[object, RankPlacement]
     mirror: SenderMirror
-    _checksums: dict[tuple[str, bytes], int] = field(default_factory=dict)
-    _staged: tuple[int, dict[object, list[SparseDelta]]] | None = None
 
     def __post_init__(self):
         self._views = {(r, n): (n, tp.runs.canon.tobytes() + tp.runs.length.tobytes())
@@ -66,12 +64,7 @@ class Fanout:
         return source[canon]
 
     def _checksum(self, rank, name: str) -> int:
-        if self.whole(rank, name):
-            return self.mirror.checksums[name]
-        key = self._views[(rank, name)]
-        if key not in self._checksums:
-            self._checksums[key] = tensor_checksum(self.view_bits(rank, name))
-        return self._checksums[key]
+        return self.mirror.view_checksum(name, self.routes[rank][name].runs, self._views[(rank, name)])
 
     def view_mismatches(self, names: Sequence[str], views: Mapping[object, Mapping[str, int] | None],
                         current: Callable[[str], np.ndarray] | None = None
@@ -108,17 +101,14 @@ class Fanout:
                 if self.whole(rank, d.name):
                     out[rank].append(SparseDelta(d.name, d.dtype, (tp.numel,), d.positions, d.new_bits, d.old_bits))
                     continue
-                held, view, _ = tp.runs.select(d.positions)
-                old = None if d.old_bits is None else d.old_bits[held]
-                out[rank].append(SparseDelta(d.name, d.dtype, (tp.numel,), view, d.new_bits[held], old))
+                out[rank].append(view_delta(d, tp.runs))
         return out
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
                max_changes: int) -> dict[object, list[bytes]]:
-        """Payload parts per engine shard (at least one each); stages the changes.  Shards with the
-        same views of the tensors they receive share one encoding."""
+        """Payload parts per engine shard (at least one each) for changes the mirror staged.  Shards
+        with the same views of the tensors they receive share one encoding."""
         per_rank = self.split(deltas)
-        self._staged = (identity.target_version, per_rank)
         out: dict[object, list[bytes]] = {}
         made: dict[tuple, list[bytes]] = {}
         for rank, ds in per_rank.items():
@@ -136,26 +126,6 @@ class Fanout:
         indexes = self.mirror.indexes if whole else None  # a whole view is the mirror: its kept index
         groups = list(buckets(ds, max_changes)) or [[]]
         return [encode_deltas(g, base, identity, encoding, key, cks, indexes) for g in groups]
-
-    def commit(self, version: int) -> None:
-        """The engines acknowledged ``version``: move the partial views' checksums by the staged
-        changes, once per distinct view (whole views follow the mirror, committed before this)."""
-        if self._staged is not None and self._staged[0] == version:
-            moved = set()
-            for rank, ds in self._staged[1].items():
-                for d in ds:
-                    view = self._views[(rank, d.name)]
-                    if self.whole(rank, d.name) or view in moved:
-                        continue
-                    moved.add(view)
-                    self._checksums[view] = updated_checksum(self._checksum(rank, d.name), d.positions,
-                                                             d.old_bits, d.new_bits)
-        self._staged = None
-
-    def reset(self) -> None:
-        """After a resync or attach: view checksums are recomputed from the mirror on demand."""
-        self._checksums.clear()
-        self._staged = None
 
     def resync_payloads(self, names: Sequence[str], target: int, key: bytes | None, model: str = "",
                         run: str = "") -> dict[int, list[bytes]]:

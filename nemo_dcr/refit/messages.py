@@ -1,9 +1,125 @@
-"""Typed bodies of engine replies (JSON on the wire)."""
+"""Typed bodies of the refit protocol's control messages (JSON; docs/wire_format.md section 7).
+
+* :class:`Query`: the body of a ``QUERY`` envelope, what a trainer rank asks an engine rank
+  (:class:`Ask`) and a number that pairs it with its answer.
+* :class:`EngineReply`: the body of ``ACK``, ``NACK`` and ``STATE`` envelopes; a ``STATE`` reply
+  names the query it answers.
+
+Decoding is strict: every key present with its type, no unknown key, checksums as 16 lowercase hex
+digits; each violation raises :class:`MessageFormatError` naming the message and what is wrong.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Mapping
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_SHARD = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
+class MessageFormatError(ValueError):
+    """A query or engine reply that breaks docs/wire_format.md section 7 (the message names what)."""
+
+
+class Ask(str, Enum):
+    """What a query asks an engine rank for (every answer carries its version)."""
+
+    STATE = "state"
+    """The incremental checksums (kept from each verified apply)."""
+    FULL = "full"
+    """Checksums by a full scan (which also replaces the incremental values)."""
+    DIGESTS = "digests"
+    """A full scan and sha256 digests of everything the engine holds (tests and chaos: an equality
+    check independent of the checksums)."""
+    PLACEMENT = "placement"
+    """The engine's placement per shard (empty: it holds canonical tensors whole)."""
+
+
+def _object(data: bytes, what: str, keys: tuple[str, ...]) -> dict:
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MessageFormatError(f"{what} is not UTF-8 JSON: {exc}") from None
+    return _keys(obj, what, keys)
+
+
+def _keys(obj: Any, what: str, keys: tuple[str, ...]) -> dict:
+    if not isinstance(obj, dict):
+        raise MessageFormatError(f"{what} is a JSON {type(obj).__name__}, not an object")
+    missing, unknown = [k for k in keys if k not in obj], sorted(set(obj) - set(keys))
+    if missing or unknown:
+        raise MessageFormatError(f"{what}: missing keys {missing}, unknown keys {unknown}")
+    return obj
+
+
+def _int(value: Any, what: str, low: int = 0) -> int:
+    if type(value) is not int or not low <= value < 1 << 63:
+        raise MessageFormatError(f"{what} must be an integer in [{low}, 2**63), got {value!r}")
+    return value
+
+
+def _map(value: Any, what: str, parse: Callable[[Any, str], Any], key: re.Pattern | None = None) -> dict:
+    if not isinstance(value, dict):
+        raise MessageFormatError(f"{what} must be an object, got {type(value).__name__}")
+    if key is not None:
+        bad = [k for k in value if not key.fullmatch(k)]
+        if bad:
+            raise MessageFormatError(f"{what}: key {bad[0]!r} is not a shard number")
+    return {k: parse(v, f"{what}[{k!r}]") for k, v in value.items()}
+
+
+def _hex(pattern: re.Pattern, digits: int) -> Callable[[Any, str], str]:
+    def parse(value: Any, what: str) -> str:
+        if not isinstance(value, str) or not pattern.fullmatch(value):
+            raise MessageFormatError(f"{what} must be {digits} lowercase hex digits, got {value!r}")
+        return value
+    return parse
+
+
+_checksum = _hex(_HEX16, 16)
+_digest = _hex(_HEX64, 64)
+
+
+@dataclass(frozen=True)
+class Query:
+    """What a trainer rank asks an engine rank (body of a ``QUERY`` envelope).
+
+    Attributes:
+        ask: what is asked.
+        id: the asker's number for this query; the answer carries it back.
+    """
+
+    ask: Ask
+    id: int = 0
+
+    def to_bytes(self) -> bytes:
+        """``{"ask": ..., "id": ...}`` as UTF-8 JSON."""
+        return json.dumps({"ask": Ask(self.ask).value, "id": self.id}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Query":
+        """Inverse of :meth:`to_bytes`.
+
+        Raises:
+            MessageFormatError: not such an object, an unknown ``ask``, or a bad ``id``.
+        """
+        return cls.from_json(_object(data, "query", ("ask", "id")))
+
+    @classmethod
+    def from_json(cls, obj: Any, what: str = "query") -> "Query":
+        """From the decoded JSON value (a query body, or the ``query`` of a reply)."""
+        obj = _keys(obj, what, ("ask", "id"))
+        if obj["ask"] not in {a.value for a in Ask}:
+            raise MessageFormatError(f"{what} asks {obj['ask']!r}; known: {[a.value for a in Ask]}")
+        return cls(Ask(obj["ask"]), _int(obj["id"], f"{what} id"))
+
+
+_REPLY_KEYS = ("ok", "version", "query", "reason", "checksums", "views", "digests", "touched", "placement")
 
 
 @dataclass(frozen=True)
@@ -11,15 +127,16 @@ class EngineReply:
     """ACK, NACK or STATE from an engine rank.
 
     Attributes:
-        ok: committed (ACK) or answered (STATE); False for a NACK.
+        ok: committed (ACK) or answered (STATE); False for a NACK or a refused query.
         version: the engine's version after handling the message.
-        reason: why it refused (NACK), with the exception type.
-        checksums: per-tensor checksums (incremental, or full when asked).
-        digests: sha256 of each tensor's bits (only when asked: independent of the checksum).
+        reason: why it refused, with the exception type.
+        checksums: the engine's canonical partial checksums (incremental, or full when asked).
+        digests: sha256 of everything it holds (answer to :attr:`Ask.DIGESTS` only).
         touched: elements written per tensor (ACK).
-        placement: the engine rank's placement (answer to ``QUERY_PLACEMENT``).
-        views: per-tensor checksums of the elements this engine rank holds, in its view index
+        placement: the engine's placement per shard (answer to :attr:`Ask.PLACEMENT`).
+        views: shard -> per-tensor checksums of the elements that shard holds, in its view index
             space (engines holding shards; replicas included, unlike ``checksums``).
+        query: the query a STATE reply answers (None for ACK and NACK).
     """
 
     ok: bool
@@ -28,31 +145,44 @@ class EngineReply:
     checksums: dict[str, int] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
     touched: dict[str, int] = field(default_factory=dict)
-    placement: dict = field(default_factory=dict)
-    views: dict[str, int] = field(default_factory=dict)
+    placement: list[dict] = field(default_factory=list)
+    views: dict[int, dict[str, int]] = field(default_factory=dict)
+    query: Query | None = None
 
     def to_bytes(self) -> bytes:
-        """JSON (checksums as 16 hex digits)."""
-        return json.dumps(dict(ok=self.ok, version=self.version, reason=self.reason,
-                               checksums={k: f"{v:016x}" for k, v in self.checksums.items()},
-                               digests=self.digests, touched=self.touched, placement=self.placement,
-                               views={k: f"{v:016x}" for k, v in self.views.items()})).encode()
+        """UTF-8 JSON, keys in the order of docs/wire_format.md (checksums as 16 hex digits)."""
+        return json.dumps(dict(
+            ok=self.ok, version=self.version,
+            query=None if self.query is None else {"ask": Ask(self.query.ask).value, "id": self.query.id},
+            reason=self.reason, checksums=_hexes(self.checksums),
+            views={str(s): _hexes(v) for s, v in sorted(self.views.items())},
+            digests=self.digests, touched=self.touched, placement=self.placement)).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "EngineReply":
-        """Inverse of :meth:`to_bytes`."""
-        o = json.loads(data)
-        return cls(o["ok"], o["version"], o["reason"], {k: int(v, 16) for k, v in o["checksums"].items()},
-                   o["digests"], o["touched"], o.get("placement", {}),
-                   {k: int(v, 16) for k, v in o.get("views", {}).items()})
+        """Inverse of :meth:`to_bytes`.
+
+        Raises:
+            MessageFormatError: naming the key that is missing, unknown or of the wrong form.
+        """
+        o = _object(data, "engine reply", _REPLY_KEYS)
+        if type(o["ok"]) is not bool or not isinstance(o["reason"], str):
+            raise MessageFormatError(f"engine reply: ok must be a boolean and reason a string, got {o['ok']!r}, "
+                                     f"{type(o['reason']).__name__}")
+        if not isinstance(o["placement"], list) or not all(isinstance(p, dict) for p in o["placement"]):
+            raise MessageFormatError("engine reply: placement must be a list of objects (one per shard)")
+        query = None if o["query"] is None else Query.from_json(o["query"], "engine reply query")
+        views = _map(o["views"], "engine reply views", lambda v, w: _map(v, w, _checksum), _SHARD)
+        return cls(o["ok"], _int(o["version"], "engine reply version"), o["reason"],
+                   _ints(_map(o["checksums"], "engine reply checksums", _checksum)),
+                   _map(o["digests"], "engine reply digests", _digest),
+                   _map(o["touched"], "engine reply touched", _int), o["placement"],
+                   {int(s): _ints(v) for s, v in views.items()}, query)
 
 
-QUERY_INCREMENTAL = 0
-"""Version and the incremental checksums."""
-QUERY_FULL = 1
-"""Version and checksums by a full scan."""
-QUERY_DIGESTS = 2
-"""Also sha256 digests of every tensor (tests and chaos: an equality check independent of checksums)."""
-QUERY_PLACEMENT = 3
-"""Version and the engine's placement (JSON form of :mod:`nemo_dcr.apply.placement`; empty: the
-engine holds canonical tensors whole)."""
+def _hexes(values: Mapping[str, int]) -> dict[str, str]:
+    return {k: f"{v:016x}" for k, v in values.items()}
+
+
+def _ints(values: Mapping[str, str]) -> dict[str, int]:
+    return {k: int(v, 16) for k, v in values.items()}

@@ -5,18 +5,24 @@ keeps a copy of the engine's bits of it.  Over all trainer ranks the mirror is o
 never gathered on one rank.  It moves only when the engine acknowledged a version
 (:meth:`SenderMirror.commit`); a refused version is dropped and its changes are re-sent with
 the next one (capture also reports changes against the last acknowledged baseline).
+
+The mirror is the sender side's one owner of checksum bookkeeping: the checksum of each owned
+tensor (what payload records name as base and target, and what an engine holding tensors whole
+reports) and of each engine shard's view of it (:meth:`SenderMirror.view_checksum`, what a shard
+holding part of a tensor reports), both moved by the same committed changes.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from nemo_dcr.apply.placement import Runs, view_delta
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view
-from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
+from nemo_dcr.verify.checksum import checksum_after, checksums_after, tensor_checksum
 
 from .payloads import buckets
 
@@ -39,7 +45,20 @@ class SenderMirror:
         self.checksums = {n: tensor_checksum(b) for n, b in self.bits.items()}
         self.version = version
         self._staged: tuple[int, list[SparseDelta]] | None = None
+        self._views: dict[str, dict[Hashable, tuple[Runs, int]]] = {}  # name -> view key -> (runs, checksum)
         self.indexes = DcrIndexes()  # dcr class indexes of the mirror bits, moved only by commit
+
+    def view_checksum(self, name: str, runs: Runs, key: Hashable) -> int:
+        """Checksum of an engine shard's view of ``name`` (the elements at ``runs``, in view index
+        order) as the mirror's bits make it: the tensor's own for a view of every element, else
+        computed once per distinct view ``key`` and then moved by every :meth:`commit`."""
+        _, shape = self.meta[name]
+        if runs.numel == int(np.prod(shape)):
+            return self.checksums[name]
+        views = self._views.setdefault(name, {})
+        if key not in views:
+            views[key] = (runs, tensor_checksum(self.bits[name][runs.expand()[0]]))
+        return views[key][1]
 
     def changes(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
         """Merged deltas of owned tensors with ``old_bits`` from the mirror; no-ops removed."""
@@ -84,18 +103,18 @@ class SenderMirror:
 
     def current_checksums(self) -> dict[str, int]:
         """Checksums of the trainer-side bits (mirror plus staged changes)."""
-        out = dict(self.checksums)
-        for d in (self._staged[1] if self._staged else []):
-            out[d.name] = updated_checksum(out[d.name], d.positions, d.old_bits, d.new_bits)
-        return out
+        return checksums_after(self.checksums, self._staged[1] if self._staged else [])
 
     def commit(self, version: int) -> None:
-        """The engine acknowledged ``version``: write the staged changes."""
+        """The engine acknowledged ``version``: write the staged changes; the tensors' and their
+        partial views' checksums move by them."""
         if self._staged is not None and self._staged[0] == version:
             for d in self._staged[1]:
-                self.checksums[d.name] = updated_checksum(self.checksums[d.name], d.positions, d.old_bits,
-                                                          d.new_bits)
+                views = self._views.get(d.name, {})
+                for key, (runs, c) in views.items():
+                    views[key] = (runs, checksum_after(c, view_delta(d, runs)))
                 self.bits[d.name][d.positions] = d.new_bits
+            self.checksums = checksums_after(self.checksums, self._staged[1])
             self.indexes.update(self._staged[1])
         self._staged = None
         self.version = version
@@ -139,5 +158,6 @@ class SenderMirror:
         for n, t in tensors.items():
             self.bits[n] = int_view(t).cpu().numpy().view(self.bits[n].dtype).copy()
             self.checksums[n] = tensor_checksum(self.bits[n])
+            self._views.pop(n, None)  # recomputed from the new bits on demand
         self.indexes.keep_current({n: self.checksums[n] for n in tensors})
         self.version = version

@@ -30,7 +30,7 @@ from nemo_dcr.verify.compare import ChecksumMismatch, VerifyReport, compare
 from .fanout import Fanout
 from .fp8_mirror import Fp8Mirror
 from .group import TrainerGroup
-from .messages import QUERY_FULL, EngineReply
+from .messages import Ask, EngineReply, MessageFormatError, Query
 from .mirror import SenderMirror
 from .payloads import resync_payload
 from .refit_report import RefitReport
@@ -83,6 +83,8 @@ class RefitSender:
     routes: Mapping[tuple[int, int], RankPlacement] | None = None
     model: str = ""
     refits: int = 0
+    queries: int = 0
+    """Queries sent so far (each query's id; its answer carries it back)."""
     _detected: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -120,15 +122,8 @@ class RefitSender:
             return sent, {(e, 0): parts for e in self.engine_ranks}
         return sent, self._fanout.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
 
-    def _commit(self, version: int) -> None:
-        self.mirror.commit(version)
-        if self._fanout is not None:
-            self._fanout.commit(version)
-
     def _reset(self, names: Sequence[str], version: int) -> None:
         self.mirror.settle(names, version)
-        if self._fanout is not None:
-            self._fanout.reset()
         if self.cfg.encoding == "dcr":  # after a (re)sync: the next refit's encode follows its changes
             self.mirror.build_indexes()
 
@@ -153,26 +148,34 @@ class RefitSender:
         self.transport.flush()
         return sent
 
-    def _await(self, version: int, kinds: tuple[MessageKind, ...]) -> list[EngineReply]:
+    def _await(self, version: int, kinds: tuple[MessageKind, ...], query: Query | None = None) -> list[EngineReply]:
+        """Every engine rank's reply of one of ``kinds`` about ``version`` (or answering ``query``);
+        other messages are stale and skipped.  No reply, or a malformed one, is a failed reply."""
         replies = []
         for e in self.engine_ranks:
             while True:
                 try:
                     env = self.transport.recv(src=e, timeout=self.cfg.reply_timeout_s)
+                    if env.kind not in kinds or (query is None and env.version != version):
+                        continue
+                    reply = EngineReply.from_bytes(env.body)
                 except TransportError as exc:
-                    replies.append(EngineReply(False, -1, reason=f"no reply from engine rank {e}: {exc}"))
-                    break
-                if env.kind in kinds and env.version == version:
-                    replies.append(EngineReply.from_bytes(env.body))
+                    reply = EngineReply(False, -1, reason=f"no reply from engine rank {e}: {exc}")
+                except MessageFormatError as exc:
+                    reply = EngineReply(False, -1, reason=f"malformed reply from engine rank {e}: {exc}")
+                if query is None or reply.query == query or reply.version < 0:
+                    replies.append(reply)
                     break
         return replies
 
-    def query(self, code: int = QUERY_FULL) -> list[EngineReply]:
-        """Ask every engine rank for its state (version and checksums; ``code`` selects what)."""
+    def query(self, ask: Ask = Ask.FULL) -> list[EngineReply]:
+        """Ask every engine rank for its state (version and checksums; ``ask`` selects what)."""
+        self.queries += 1
+        query = Query(ask, self.queries)
         for e in self.engine_ranks:
-            self.transport.send(e, Envelope(MessageKind.QUERY, code, self.transport.rank))
+            self.transport.send(e, Envelope(MessageKind.QUERY, 0, self.transport.rank, body=query.to_bytes()))
         self.transport.flush()
-        return self._await(code, (MessageKind.STATE,))
+        return self._await(0, (MessageKind.STATE,), query)
 
     def _verify(self, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool,
                 current: bool = False) -> VerifyReport:
@@ -200,15 +203,12 @@ class RefitSender:
                        mismatches=report.mismatches + extra)
 
     def _reported_views(self, replies: Sequence[EngineReply]) -> dict[tuple[int, int], dict[str, int] | None]:
-        """Route key -> the view checksums its engine reported (None: no answer).  Engine ranks that
-        answered without view checksums, or serve several shards, are checked by the sums only."""
+        """Route key -> the view checksums its engine shard reported (None: its rank did not answer;
+        empty: it answered without that shard's views, so every view it holds differs)."""
         out: dict[tuple[int, int], dict[str, int] | None] = {}
         for e, r in zip(self.engine_ranks, replies):
-            keys = [k for k in self.routes if k[0] == e]
-            if not r.ok:
-                out.update({k: None for k in keys})
-            elif r.views and keys == [(e, 0)]:
-                out[(e, 0)] = r.views
+            for key in (k for k in self.routes if k[0] == e):
+                out[key] = r.views.get(key[1], {}) if r.ok else None
         return out
 
     # -- the three entry points -------------------------------------------------------------
@@ -259,7 +259,7 @@ class RefitSender:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             return self._recover(trainer_checksums, changed, sent, clock)
         with clock(Phase.VERIFY):
-            self._commit(version)
+            self.mirror.commit(version)
             report = None
             if verify or full:
                 report = self._verify(trainer_checksums, self.query() if full else replies, full)

@@ -10,26 +10,13 @@ old version, bit for bit (:mod:`nemo_dcr.apply.transaction`).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
-from nemo_dcr.apply import ApplyResult, IncompletePartsError
+from nemo_dcr.apply import Engine, apply_version
 from nemo_dcr.transport import Envelope, MessageKind, Transport
-from nemo_dcr.types import int_view
 
-from .messages import QUERY_DIGESTS, QUERY_FULL, QUERY_PLACEMENT, EngineReply
-
-
-class Engine(Protocol):
-    """What the server needs from an engine (``TensorEngine``, ``HFEngine``, vLLM extension)."""
-
-    version: int
-    # optional ``tensors: dict`` (canonical name -> whole tensor): only digest queries read it
-
-    def apply(self, parts: Sequence[bytes]) -> ApplyResult: ...
-    def resync(self, parts: Sequence[bytes]) -> ApplyResult: ...
-    def checksums(self, full: bool = False) -> dict[str, int]: ...
+from .messages import Ask, EngineReply, MessageFormatError, Query
 
 
 @dataclass
@@ -52,13 +39,9 @@ class ServerStats:
         self.events.append((version, what, detail))
 
 
-def digests(tensors: dict) -> dict[str, str]:
-    """sha256 of each tensor's raw bits (an independent equality check for tests and chaos)."""
-    return {n: hashlib.sha256(int_view(t).cpu().numpy().tobytes()).hexdigest() for n, t in tensors.items()}
-
-
 class EngineServer:
-    """Serves one engine over a transport.
+    """Serves one engine over a transport, through the members of the engine contract
+    (:class:`nemo_dcr.apply.Engine`) only.
 
     Args:
         engine: the engine.
@@ -83,28 +66,34 @@ class EngineServer:
         if env.kind == MessageKind.STOP:
             return False
         if env.kind == MessageKind.QUERY:
-            self._reply(MessageKind.STATE, env.version, [env.sender], self._state(env.version))
+            self._reply(MessageKind.STATE, self.engine.version, [env.sender], self._answer(env))
         elif env.kind in (MessageKind.DELTA, MessageKind.RESYNC):
             self._collect(env)
         return True
 
-    def _state(self, query: int) -> EngineReply:
-        if query == QUERY_PLACEMENT:
-            placement = getattr(self.engine, "placement_json", None)
-            shards = placement() if placement else []
-            shards = [shards] if isinstance(shards, dict) else list(shards)
-            return EngineReply(True, self.engine.version, placement={"shards": shards} if shards else {})
-        if query == QUERY_DIGESTS and not hasattr(self.engine, "tensors"):  # sharded engines (vLLM)
-            return EngineReply(False, self.engine.version, reason=f"{type(self.engine).__name__} holds no whole "
-                               f"canonical tensors to digest: ask for checksums instead")
-        ck = self.engine.checksums(full=query >= QUERY_FULL)
-        dg = digests(self.engine.tensors) if query == QUERY_DIGESTS else {}
-        return EngineReply(True, self.engine.version, checksums=ck, digests=dg, views=self._views())
+    def _answer(self, env: Envelope) -> EngineReply:
+        """The answer to a QUERY envelope; a malformed query or a failing engine member is answered
+        with a refusal naming why (the server keeps serving)."""
+        try:
+            if env.version != 0:
+                raise MessageFormatError(f"a QUERY envelope carries version 0, got {env.version} (a query says "
+                                         "what it asks in its body)")
+            query = Query.from_bytes(env.body)
+        except MessageFormatError as exc:
+            self.stats.note(self.engine.version, "bad-query", f"from {env.sender}: {exc}")
+            return EngineReply(False, self.engine.version, reason=f"MessageFormatError: {exc}")
+        try:
+            return self._state(query)
+        except Exception as exc:  # e.g. a full scan while a version is prepared
+            return EngineReply(False, self.engine.version, reason=f"{type(exc).__name__}: {str(exc)[:500]}",
+                               query=query)
 
-    def _views(self) -> dict[str, int]:
-        """Per-view checksums of an engine holding shards (after ``checksums``: a full query rescans)."""
-        views = getattr(self.engine, "view_checksums", None)
-        return views() if views else {}
+    def _state(self, query: Query) -> EngineReply:
+        if query.ask == Ask.PLACEMENT:
+            return EngineReply(True, self.engine.version, placement=self.engine.placement(), query=query)
+        ck = self.engine.checksums(full=query.ask in (Ask.FULL, Ask.DIGESTS))
+        dg = self.engine.digests() if query.ask == Ask.DIGESTS else {}
+        return EngineReply(True, self.engine.version, checksums=ck.canonical, digests=dg, views=ck.views, query=query)
 
     def _collect(self, env: Envelope) -> None:
         if env.version <= self.engine.version:
@@ -131,32 +120,26 @@ class EngineServer:
             self._refuse(version, "MissingPartError", f"parts missing from senders {missing}")
             return
         try:
-            result = (self.engine.resync if kind == MessageKind.RESYNC else self.engine.apply)(
-                self._parts_for_engine(per_sender))
+            result = apply_version(self.engine, self._parts_by_shard(per_sender), resync=kind == MessageKind.RESYNC)
         except Exception as exc:  # refused or rolled back: the engine holds its old version
             self._refuse(version, type(exc).__name__, str(exc)[:500])
             return
         self.stats.committed += 1
         self.stats.resyncs += int(result.resync)
         self.stats.note(version, "committed", "resync" if result.resync else "delta")
-        reply = EngineReply(True, self.engine.version, checksums=self.engine.checksums(), touched=result.touched,
-                            views=self._views())
+        ck = self.engine.checksums()
+        reply = EngineReply(True, self.engine.version, checksums=ck.canonical, touched=result.touched, views=ck.views)
         self._reply(MessageKind.ACK, version, self.senders, reply)
         for key in [k for k in self._parts if k[1] <= self.engine.version]:
             del self._parts[key]
 
-    def _parts_for_engine(self, per_sender):
-        """Every sender's bodies in part order: a list, or ``{shard: list}`` for a sharded engine."""
-        envs = [e for s in self.senders for _, e in sorted(per_sender[s].items()) if e.body]
-        if not getattr(self.engine, "sharded", False):
-            stray = sorted({e.shard for e in envs} - {0})
-            if stray:
-                raise_for = f"parts for shards {stray}, but this engine is not sharded"
-                raise IncompletePartsError(raise_for)
-            return [e.body for e in envs]
+    def _parts_by_shard(self, per_sender) -> dict[int, list[bytes]]:
+        """Every sender's bodies in part order, by the shard each envelope names."""
         by_shard: dict[int, list[bytes]] = {}
-        for e in envs:
-            by_shard.setdefault(e.shard, []).append(e.body)
+        for s in self.senders:
+            for _, e in sorted(per_sender[s].items()):
+                if e.body:
+                    by_shard.setdefault(e.shard, []).append(e.body)
         return by_shard
 
     def _refuse(self, version: int, kind: str, message: str) -> None:

@@ -1,9 +1,10 @@
 """Messages between trainer ranks and engine ranks, and the transport contract.
 
 Every transport moves :class:`Envelope` values between integer ranks of one refit group
-(trainer ranks first, then engine ranks).  Bodies are opaque bytes: delta payloads are
-authenticated by the codec's HMAC (docs/wire_format.md rule 5); transports that cross a trust
-boundary (files, object stores) also authenticate the envelope itself.
+(trainer ranks first, then engine ranks); their bytes are written down in docs/wire_format.md
+section 7.1.  Bodies are opaque bytes here: delta payloads are authenticated by the codec's HMAC
+(docs/wire_format.md rule 5); transports that cross a trust boundary (files, object stores) also
+authenticate the envelope itself (section 7.2).
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ class MessageKind(IntEnum):
     RESYNC = 2
     """One part of a full resync payload (encoded against zeros)."""
     ACK = 3
-    """Engine committed ``version``; body: JSON with checksums."""
+    """Engine committed ``version``; body: an engine reply (JSON) with checksums."""
     NACK = 4
-    """Engine refused or rolled back ``version``; body: JSON with the reason and its version."""
+    """Engine refused or rolled back ``version``; body: an engine reply with the reason."""
     ROUTE = 5
-    """Trainer to trainer: canonical sparse changes for tensors the receiver owns."""
+    """Trainer to trainer: one collective's buffer (``version``: its sequence number), e.g. a
+    routing pack of canonical sparse changes for tensors the receiver owns."""
     QUERY = 6
-    """Ask an engine for its version and checksums (``version`` = 1: full scan)."""
+    """Ask an engine rank for its state; ``version`` 0, body: a query (JSON: what it asks)."""
     STATE = 7
-    """Engine's answer to QUERY; body: JSON with version and checksums."""
+    """Engine's answer to a QUERY; ``version``: the engine's, body: an engine reply naming the query."""
     STOP = 8
     """Shut the engine loop down."""
     DENSE = 9
@@ -90,10 +92,15 @@ class Envelope:
     def from_bytes(cls, data: bytes) -> "Envelope":
         """Inverse of :meth:`to_bytes`; raises :class:`TransportError` on a malformed head."""
         if len(data) < _HEAD.size:
-            raise TransportError(f"envelope of {len(data)} bytes is shorter than its head")
+            raise TransportError(f"envelope of {len(data)} bytes is shorter than its {_HEAD.size}-byte head")
         magic, kind, version, sender, part, last, receiver, shard = _HEAD.unpack_from(data)
-        if magic != _MAGIC or kind not in MessageKind._value2member_map_ or last > 1 or shard < 0:
-            raise TransportError(f"malformed envelope head {bytes(data[:_HEAD.size])!r}")
+        checks = (("magic", magic, magic == _MAGIC), ("kind", kind, kind in MessageKind._value2member_map_),
+                  ("last flag", last, last <= 1), ("sender", sender, sender >= 0), ("part", part, part >= 0),
+                  ("receiver", receiver, receiver >= -1), ("shard", shard, shard >= 0))
+        bad = [(what, value) for what, value, ok in checks if not ok]
+        if bad:
+            raise TransportError(f"malformed envelope head: {bad[0][0]} {bad[0][1]!r} "
+                                 f"(head {bytes(data[:_HEAD.size]).hex()})")
         return cls(MessageKind(kind), version, sender, part, bool(last), bytes(data[_HEAD.size:]), receiver, shard)
 
 

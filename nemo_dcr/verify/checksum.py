@@ -8,6 +8,9 @@ changed ``i`` only.  It detects any single changed element (h is a bijection of 
 fixed i) and random corruption with probability 1 - 2**-64; it is not a MAC (payloads are
 authenticated with HMAC, see docs/wire_format.md).
 
+:func:`checksums_after` is the one way a kept checksum follows a delta (the trainer's partial sums,
+the sender mirror and its views, an engine rank's canonical sums); :func:`updated_checksum` is the
+primitive under it (and under the codec's and the transaction's read-back checks).
 :func:`hash_sum` and :func:`tensor_checksum` are compiled loops (one pass, no temporaries);
 :func:`hash_sum_np` and :func:`tensor_checksum_np` are the numpy implementations the tests
 compare them with.
@@ -15,9 +18,14 @@ compare them with.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterable, Mapping
+
 import numpy as np
 
 from ..kernels.jit import njit
+
+if TYPE_CHECKING:
+    from ..types import SparseDelta
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -130,3 +138,24 @@ def updated_checksum(checksum: int, positions: np.ndarray, old_bits: np.ndarray,
     if not (positions.size == old_bits.size == new_bits.size):
         raise ValueError(f"{positions.size} positions for {old_bits.size} old and {new_bits.size} new bit values")
     return (checksum + int(_delta_sum(positions, old_bits, new_bits))) & MASK64
+
+
+def checksum_after(checksum: int, delta: SparseDelta) -> int:
+    """``checksum`` of ``delta``'s tensor after its ``old_bits`` were replaced by its ``new_bits`` at
+    its positions (the index the checksum hashes: canonical, or a view's); cost ∝ changes.
+
+    Raises:
+        ValueError: the delta carries no old bits.
+    """
+    if delta.old_bits is None:
+        raise ValueError(f"{delta.name}: a checksum follows a delta only with its old bits")
+    return updated_checksum(checksum, delta.positions, delta.old_bits, delta.new_bits)
+
+
+def checksums_after(checksums: Mapping[str, int], deltas: Iterable[SparseDelta]) -> dict[str, int]:
+    """Per-tensor checksums after every delta moved its tensor's (:func:`checksum_after`), keyed by
+    ``delta.name``; a tensor without a value starts at 0 (a partial sum of no elements yet)."""
+    out = dict(checksums)
+    for d in deltas:
+        out[d.name] = checksum_after(out.get(d.name, 0), d)
+    return out

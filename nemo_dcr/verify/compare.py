@@ -2,8 +2,8 @@
 
 Both sides sum ``h(canonical index, bits)`` over the elements they hold
 (:mod:`nemo_dcr.verify.checksum`): trainer ranks over their capture ranges, engine ranks over
-their shards; the per-tensor totals must agree.  :class:`ShardChecksums` keeps one rank's
-partial sums and updates them from canonical deltas (cost proportional to changes).
+their shards; the per-tensor totals must agree.  :class:`ShardChecksums` adds up one rank's
+partial sums piece by piece (a delta moves them with :func:`~.checksum.checksums_after`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
-
-from nemo_dcr.types import SparseDelta
 
 from .checksum import MASK64, hash_sum
 
@@ -83,8 +81,3 @@ class ShardChecksums:
     def add(self, name: str, canonical_index: np.ndarray, bits: np.ndarray) -> None:
         """Add elements held by this rank (a full scan of a shard, piece by piece)."""
         self.sums[name] = (self.sums.get(name, 0) + hash_sum(canonical_index, bits)) & MASK64
-
-    def update(self, delta: SparseDelta) -> None:
-        """Replace ``delta.old_bits`` by ``delta.new_bits`` at its canonical positions."""
-        s = self.sums.get(delta.name, 0) - hash_sum(delta.positions, delta.old_bits)
-        self.sums[delta.name] = (s + hash_sum(delta.positions, delta.new_bits)) & MASK64

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.apply import TensorEngine
 from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
 from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 
@@ -47,46 +48,31 @@ def _transport(workdir: str, rank: int):
     return DistTransport(dist.ProcessGroupGloo(store, rank, 1 + TP), rank, chunk_bytes=1 << 12)
 
 
-class RecordingEngine:
-    """Forwards to a RoutedEngine and notes (name, shape, nnz) of every record it is sent."""
+class RecordingEngine(TensorEngine):
+    """A :class:`TensorEngine` over the stand-in's params and a placement that notes
+    (name, shape, nnz) of every record it is sent."""
 
-    def __init__(self, inner):
-        self.inner, self.seen = inner, []
+    def __init__(self, params, placement):
+        super().__init__(params, key=KEY, placement=placement)
+        self.seen = []
 
-    version = property(lambda self: self.inner.version)
-    tensors = property(lambda self: self.inner.tensors)
-
-    def _note(self, parts):
+    def prepare(self, parts, resync=False):
         from nemo_dcr.codec import inspect
 
-        for p in parts:
+        for p in (p for ps in parts.values() for p in ps):
             self.seen += [(r.name, list(r.shape), r.changed) for r in inspect(p, KEY).records]
-
-    def apply(self, parts):
-        self._note(parts)
-        return self.inner.apply(parts)
-
-    def resync(self, parts):
-        self._note(parts)
-        return self.inner.resync(parts)
-
-    def checksums(self, full=False):
-        return self.inner.checksums(full)
-
-    def placement_json(self):
-        return self.inner.placement_json()
+        return super().prepare(parts, resync)
 
 
 def engine_main(workdir: str, rank: int) -> None:
     """Engine rank ``rank`` (1..TP): serve until STOP; dump received records and param bits."""
-    from nemo_dcr.apply.routed import RoutedEngine
     from nemo_dcr.refit.server import EngineServer
 
     torch.set_num_threads(1)
     tp_rank = rank - 1
     model = StandinModel(D, TP, tp_rank)
     params = {n: p.data for n, p in model.named_parameters()}
-    engine = RecordingEngine(RoutedEngine(params, placements()[tp_rank], key=KEY))
+    engine = RecordingEngine(params, placements()[tp_rank])
     server = EngineServer(engine, _transport(workdir, rank), [0])
     server.serve(timeout=120)
     np.savez(Path(workdir, f"engine{tp_rank}.npz"), **{n: p.view(torch.int16).numpy() for n, p in params.items()})

@@ -22,6 +22,7 @@ KEY = b"vllm-worker-test-key-0123456789ab"
 def test_vllm_worker_applies_real_delta(real_checkpoints):
     import vllm
 
+    from nemo_dcr.apply import apply_version
     from nemo_dcr.checkpoint import load_checkpoint
     from nemo_dcr.codec import Identity, diff_tensors
     from nemo_dcr.integrations.vllm import WORKER_EXTENSION
@@ -36,13 +37,13 @@ def test_vllm_worker_applies_real_delta(real_checkpoints):
                    hf_overrides={"architectures": ["LlamaForCausalLM"]}, worker_extension_cls=WORKER_EXTENSION)
     engine = VllmEngine(llm, {n: list(t.shape) for n, t in base.items()}, KEY, 0)
     assert engine.probed[0]["packed"] == []  # no CPU prepacking on CUDA
-    assert any(p["param"].endswith("qkv_proj.weight") for p in engine.placement_json()[0].values())
+    assert any(p["param"].endswith("qkv_proj.weight") for p in engine.placement()[0].values())
 
     mirror = SenderMirror({n: ("bf16", tuple(t.shape)) for n, t in base.items()})
     mirror.reset(base, 0)
     fanout = Fanout(engine.routes(), mirror)
     deltas = [d for d in diff_tensors(base, target) if d.nnz]
     parts = fanout.encode(deltas, Identity(base_version=0, target_version=1), "dcr", KEY, 1 << 20)
-    assert engine.apply(parts).target_version == 1
-    assert engine.checksums(full=True) == {n: tensor_checksum(bits_view(t)) for n, t in target.items()}
+    assert apply_version(engine, parts).target_version == 1
+    assert engine.checksums(full=True).canonical == {n: tensor_checksum(bits_view(t)) for n, t in target.items()}
     assert engine.compare(real_checkpoints[1]) == {0: []}

@@ -13,6 +13,7 @@ from nemo_dcr.apply import (
     InjectedFault,
     TensorEngine,
     VersionMismatchError,
+    apply_version,
 )
 from nemo_dcr.apply.transaction import UndoLog
 from nemo_dcr.codec import Identity, encode
@@ -49,7 +50,7 @@ def test_apply_commits_and_reports_touched(encoding):
     target = _step(base)
     engine = TensorEngine(_clone(base), version=3, key=KEY)
     payload = encode(base, target, Identity(base_version=3, target_version=4), encoding, KEY)
-    result = engine.apply([payload])
+    result = apply_version(engine, {0: [payload]})
     assert engine.version == 4 and _bits_equal(engine.tensors, target)
     assert sum(result.touched.values()) == sum(int((base[k] != target[k]).sum()) for k in base)
     assert engine.checksums() == engine.checksums(full=True)
@@ -62,10 +63,10 @@ def test_parts_of_one_version_apply_together():
     parts = [encode({n: base[n] for n in half}, {n: target[n] for n in half}, Identity(base_version=0),
                     key=KEY) for half in (names[:2], names[2:])]
     engine = TensorEngine(_clone(base), key=KEY)
-    engine.apply(parts)
+    apply_version(engine, {0: parts})
     assert _bits_equal(engine.tensors, target)
     with pytest.raises(IncompletePartsError):
-        TensorEngine(_clone(base), key=KEY).apply([parts[0], parts[0]])
+        apply_version(TensorEngine(_clone(base), key=KEY), {0: [parts[0], parts[0]]})
 
 
 def test_exception_between_tensors_rolls_back_bit_exact():
@@ -81,7 +82,7 @@ def test_exception_between_tensors_rolls_back_bit_exact():
 
     engine.fault = fault
     with pytest.raises(InjectedFault):
-        engine.apply([payload])
+        apply_version(engine, {0: [payload]})
     assert engine.version == 0 and _bits_equal(engine.tensors, base) and len(seen) == 3
     assert engine.checksums() == engine.checksums(full=True)
 
@@ -91,15 +92,16 @@ def test_wrong_base_and_version_gap_refused_without_writes():
     engine = TensorEngine(_clone(base), version=5, key=KEY)
     other = _step(base, seed=7)
     with pytest.raises(BaseChecksumMismatchError):
-        engine.apply([encode(other, _step(other), Identity(base_version=5, target_version=6), key=KEY)])
+        apply_version(engine, {0: [encode(other, _step(other), Identity(base_version=5, target_version=6), key=KEY)]})
     with pytest.raises(VersionMismatchError) as gap:
-        engine.apply([encode(base, _step(base), Identity(base_version=6, target_version=7), key=KEY)])
+        apply_version(engine, {0: [encode(base, _step(base), Identity(base_version=6, target_version=7), key=KEY)]})
     assert gap.value.is_gap
     with pytest.raises(VersionMismatchError) as stale:
-        engine.apply([encode(base, _step(base), Identity(base_version=4, target_version=5), key=KEY)])
+        apply_version(engine, {0: [encode(base, _step(base), Identity(base_version=4, target_version=5), key=KEY)]})
     assert not stale.value.is_gap
     with pytest.raises(AuthenticationError):
-        engine.apply([encode(base, _step(base), Identity(base_version=5, target_version=6), key=b"x" * 32)])
+        wrong_key = encode(base, _step(base), Identity(base_version=5, target_version=6), key=b"x" * 32)
+        apply_version(engine, {0: [wrong_key]})
     assert engine.version == 5 and _bits_equal(engine.tensors, base)
 
 
@@ -109,21 +111,21 @@ def test_corrupt_byte_refused():
     payload = bytearray(encode(base, _step(base), Identity(), key=KEY))
     payload[len(payload) // 2] ^= 0x40
     with pytest.raises(DeltaFormatError):
-        engine.apply([bytes(payload)])
+        apply_version(engine, {0: [bytes(payload)]})
     assert _bits_equal(engine.tensors, base)
 
 
 def test_verification_failure_rolls_back(monkeypatch):
     base = _model()
     engine = TensorEngine(_clone(base), key=KEY)
-    engine._checksums["layer2.weight"] ^= 1  # the engine's incremental value drifted
+    engine.sums.views["layer2.weight"] ^= 1  # the engine's incremental value drifted
     payload = encode(base, _step(base), Identity(), key=KEY)
     with pytest.raises(DeltaFormatError):  # base checksum no longer matches: refused up front
-        engine.apply([payload])
+        apply_version(engine, {0: [payload]})
     engine.checksums(full=True)
     monkeypatch.setattr("nemo_dcr.apply.transaction.updated_checksum", lambda *a: 0)
     with pytest.raises(ApplyVerificationError):
-        engine.apply([payload])
+        apply_version(engine, {0: [payload]})
     assert _bits_equal(engine.tensors, base) and engine.version == 0
 
 
@@ -135,13 +137,13 @@ def test_resync_from_zero_base_and_rollback():
     parts = [resync_payload(other, target_version=9, key=KEY)]
     engine.fault = lambda name: (_ for _ in ()).throw(InjectedFault(name)) if name == "layer3.weight" else None
     with pytest.raises(InjectedFault):
-        engine.resync(parts)
+        apply_version(engine, {0: parts}, resync=True)
     assert _bits_equal(engine.tensors, base) and engine.version == 4
     engine.fault = None
-    result = engine.resync(parts)
+    result = apply_version(engine, {0: parts}, resync=True)
     assert result.resync and engine.version == 9 and _bits_equal(engine.tensors, other)
     with pytest.raises(VersionMismatchError):  # replayed old resync
-        engine.resync(parts)
+        apply_version(engine, {0: parts}, resync=True)
 
 
 def test_undo_log_restores_partial_scatter():
@@ -169,7 +171,8 @@ def test_generation_never_sees_mixed_version():
     states = [base]
     for v in range(1, 6):
         states.append(_step(states[-1], seed=v))
-        engine.apply([encode(states[-2], states[-1], Identity(base_version=v - 1, target_version=v), key=KEY)])
+        payload = encode(states[-2], states[-1], Identity(base_version=v - 1, target_version=v), key=KEY)
+        apply_version(engine, {0: [payload]})
     stop.set()
     th.join()
     assert engine.guard.mixed_version_served == 0

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from nemo_dcr.apply import InjectedFault  # noqa: E402
+from nemo_dcr.apply import InjectedFault, apply_version  # noqa: E402
 from nemo_dcr.codec import Identity, encode  # noqa: E402
 from nemo_dcr.integrations.hf.engine import HFEngine  # noqa: E402
 
@@ -31,7 +31,7 @@ def test_apply_into_live_params_matches_reloaded_model():
     engine = HFEngine.from_config(tiny_config(), key=KEY)
     base = {n: t.clone() for n, t in engine.tensors.items()}
     target = _stepped(base, 1)
-    result = engine.apply([encode(base, target, Identity(base_version=0, target_version=1), key=KEY)])
+    result = apply_version(engine, {0: [encode(base, target, Identity(base_version=0, target_version=1), key=KEY)]})
     assert engine.version == 1 and result.touched
     assert "lm_head.weight" not in engine.tensors  # tied: one canonical tensor
     ref = HFEngine.from_config(tiny_config())
@@ -51,6 +51,6 @@ def test_crash_mid_apply_keeps_old_logits():
     payload = encode(base, _stepped(base, 2), Identity(), key=KEY)
     engine.engine.fault = lambda name: (_ for _ in ()).throw(InjectedFault(name)) if "layers.1" in name else None
     with pytest.raises(InjectedFault):
-        engine.apply([payload])
+        apply_version(engine, {0: [payload]})
     assert engine.version == 0 and torch.equal(engine.logits(ids)[0], before)
     assert engine.checksums() == engine.checksums(full=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.apply import InjectedFault, TensorEngine
+from nemo_dcr.apply import InjectedFault, TensorEngine, apply_version
 from nemo_dcr.codec import DcrIndexes, Identity, diff_tensors, encode, encode_deltas
 from nemo_dcr.codec.dcr import DcrIndex
 from nemo_dcr.types import bits_view, spec_of
@@ -68,7 +68,7 @@ def test_indexes_follow_committed_versions_without_rebuilds():
     for v in range(5):
         cur = _step(cur, seed=v + 1)
         data, deltas = sender.payload(cur, v)
-        engine.apply([data])
+        apply_version(engine, {0: [data]})
         sender.commit(deltas)
     assert engine.version == 5 and engine.indexes.builds == sender.indexes.builds == len(model)
     assert engine.indexes.moves > 0 and engine.indexes.moves == sender.indexes.moves  # classes did move
@@ -91,11 +91,11 @@ def test_rolled_back_apply_leaves_indexes_current():
 
     engine.fault = fault
     with pytest.raises(InjectedFault):
-        engine.apply([data])  # decoded with the indexes (built), two tensors written, rolled back
+        apply_version(engine, {0: [data]})  # decoded with the indexes (built), two tensors written, rolled back
     assert engine.version == 0 and len(engine.indexes) == len(model)
     _fresh(engine.indexes, engine.tensors)
     engine.fault = None
-    engine.apply([data])  # the same version again, decoded with the same indexes
+    apply_version(engine, {0: [data]})  # the same version again, decoded with the same indexes
     sender.commit(deltas)
     assert engine.version == 1 and engine.indexes.builds == len(model)
     _fresh(engine.indexes, engine.tensors)
@@ -105,14 +105,14 @@ def test_tensors_written_behind_the_index_and_resync():
     model = _model()
     engine = TensorEngine({n: t.clone() for n, t in model.items()}, key=KEY)
     step1 = _step(model, seed=1)
-    engine.apply([encode(model, step1, Identity(base_version=0, target_version=1), key=KEY)])
+    apply_version(engine, {0: [encode(model, step1, Identity(base_version=0, target_version=1), key=KEY)]})
     name = next(iter(model))
     engine.tensors[name].view(torch.int16)[0] ^= 1 << 9  # a write outside any transaction
     engine.checksums(full=True)  # the engine learns what memory holds; the kept index is now stale
     now = {n: t.clone() for n, t in engine.tensors.items()}
     step2 = _step(now, seed=2)
     builds = engine.indexes.builds
-    engine.apply([encode(now, step2, Identity(base_version=1, target_version=2), key=KEY)])
+    apply_version(engine, {0: [encode(now, step2, Identity(base_version=1, target_version=2), key=KEY)]})
     assert engine.indexes.builds == builds + 1  # only the stale one was rebuilt
     _fresh(engine.indexes, engine.tensors)
     held = len(engine.indexes)

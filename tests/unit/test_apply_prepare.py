@@ -1,6 +1,7 @@
 """Two-phase apply (prepare, then commit or rollback), as an engine spread over several ranks uses
 it: a prepared version is written and verified but the old version stays current, readers wait,
-and a rollback restores every bit; the same for a routed engine (fused, sharded params)."""
+and a rollback restores every bit; the same for an engine over params plus a placement (fused,
+sharded params)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import pytest
 import torch
 
 from nemo_dcr.apply import TensorEngine, VersionMismatchError
-from nemo_dcr.apply.engine import PendingVersionError
+from nemo_dcr.apply.errors import PendingVersionError
 from nemo_dcr.apply.placement import Runs, TensorPlacement, assign_primary
-from nemo_dcr.apply.routed import RoutedEngine
 from nemo_dcr.codec import Identity, encode
 from nemo_dcr.codec.errors import BaseChecksumMismatchError
 from nemo_dcr.refit.payloads import resync_payload
@@ -50,11 +50,11 @@ def test_prepare_then_rollback_restores_bits_and_version():
     target = _changed(base)
     engine = TensorEngine({k: v.clone() for k, v in base.items()}, version=2, key=KEY)
     before = engine.checksums()
-    result = engine.prepare([encode(base, target, Identity(base_version=2, target_version=3), key=KEY)])
+    result = engine.prepare({0: [encode(base, target, Identity(base_version=2, target_version=3), key=KEY)]})
     assert engine.pending is result and engine.version == 2
     assert _same(engine.tensors, target)  # written, not yet committed
     with pytest.raises(PendingVersionError):
-        engine.prepare([encode(base, target, Identity(base_version=2, target_version=3), key=KEY)])
+        engine.prepare({0: [encode(base, target, Identity(base_version=2, target_version=3), key=KEY)]})
     with pytest.raises(PendingVersionError):
         engine.checksums(full=True)
     engine.rollback()
@@ -68,19 +68,19 @@ def test_prepare_then_commit_moves_version_and_checksums():
     base = _model()
     target = _changed(base)
     engine = TensorEngine({k: v.clone() for k, v in base.items()}, version=0, key=KEY)
-    engine.prepare([encode(base, target, Identity(base_version=0, target_version=1), key=KEY)])
+    engine.prepare({0: [encode(base, target, Identity(base_version=0, target_version=1), key=KEY)]})
     result = engine.commit()
     assert engine.version == 1 and result.target_version == 1 and _same(engine.tensors, target)
     assert engine.checksums() == engine.checksums(full=True)
     with pytest.raises(BaseChecksumMismatchError):  # the old payload is stale now; nothing is left pending
-        engine.prepare([encode(base, target, Identity(base_version=0, target_version=1), key=KEY)])
+        engine.prepare({0: [encode(base, target, Identity(base_version=0, target_version=1), key=KEY)]})
     assert engine.pending is None
 
 
 def test_readers_wait_while_a_version_is_prepared():
     base = _model()
     engine = TensorEngine({k: v.clone() for k, v in base.items()}, key=KEY)
-    engine.prepare([encode(base, _changed(base), Identity(base_version=0, target_version=1), key=KEY)])
+    engine.prepare({0: [encode(base, _changed(base), Identity(base_version=0, target_version=1), key=KEY)]})
     seen = []
     reader = threading.Thread(target=lambda: seen.append(engine.serving().__enter__()))
     reader.start()
@@ -101,7 +101,7 @@ def _routed(base, ranks=2):
         placements.append({n: TensorPlacement(n, (16, 8), f"p.{n}", (rows, 8), runs) for n in base})
         params.append({f"p.{n}": t[r * rows:(r + 1) * rows].clone() for n, t in base.items()})
     placements = assign_primary(placements)
-    return [RoutedEngine(params[r], placements[r], 0, KEY) for r in range(ranks)], placements
+    return [TensorEngine(params[r], 0, KEY, placement=placements[r]) for r in range(ranks)], placements
 
 
 def _view_payloads(placements, base, target, identity):
@@ -117,7 +117,7 @@ def _view_payloads(placements, base, target, identity):
 def _summed(engines):
     sums = {}
     for e in engines:
-        for n, c in e.checksums().items():
+        for n, c in e.checksums().canonical.items():
             sums[n] = (sums.get(n, 0) + c) % (1 << 64)
     return sums
 
@@ -128,14 +128,15 @@ def test_routed_engines_roll_back_together_when_one_rank_fails():
     engines, placements = _routed(base)
     snap = [_bits(e.params) for e in engines]
     parts = _view_payloads(placements, base, target, Identity(base_version=0, target_version=1))
-    engines[0].prepare([parts[0]])
+    engines[0].prepare({0: [parts[0]]})
     with pytest.raises(VersionMismatchError):  # rank 1 refuses (payload for the wrong base version)
-        engines[1].prepare(_view_payloads(placements, base, target, Identity(base_version=5, target_version=6))[1:])
+        stale = _view_payloads(placements, base, target, Identity(base_version=5, target_version=6))
+        engines[1].prepare({0: stale[1:]})
     engines[0].rollback()
     assert all(_same(e.params, s) for e, s in zip(engines, snap))
     assert _summed(engines) == {n: tensor_checksum(bits_view(t)) for n, t in base.items()}
     for e, p in zip(engines, parts):
-        e.prepare([p])
+        e.prepare({0: [p]})
     for e in engines:
         e.commit()
     assert all(e.version == 1 for e in engines)
@@ -148,7 +149,7 @@ def test_routed_resync_prepared_and_committed():
     engines, placements = _routed(base)
     for e, pl in zip(engines, placements):
         views = {n: other[n].reshape(-1)[torch.from_numpy(tp.runs.expand()[0])] for n, tp in pl.items()}
-        assert e.prepare([resync_payload(views, target_version=4, key=KEY)], resync=True).resync
+        assert e.prepare({0: [resync_payload(views, target_version=4, key=KEY)]}, resync=True).resync
     for e in engines:
         e.commit()
     assert _summed(engines) == {n: tensor_checksum(bits_view(t)) for n, t in other.items()}

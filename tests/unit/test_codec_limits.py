@@ -65,12 +65,12 @@ def test_receiver_refuses_a_header_its_tensors_cannot_justify_before_decompressi
 
 
 def test_resync_refuses_an_oversized_header_before_decompressing(monkeypatch):
-    from nemo_dcr.apply import TensorEngine
+    from nemo_dcr.apply import TensorEngine, apply_version
 
     engine = TensorEngine({"w": torch.zeros(4, dtype=torch.bfloat16)})
     monkeypatch.setattr(hdr, "decompress_exact", lambda *a, **k: pytest.fail("decompressed"))
     with pytest.raises(HeaderTooLargeError):
-        engine.resync([_tiny_same_records(20_000)])
+        apply_version(engine, {0: [_tiny_same_records(20_000)]}, resync=True)
 
 
 def _tensors(names, shape=(3, 5)):

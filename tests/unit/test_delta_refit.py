@@ -210,36 +210,41 @@ def test_owners_balance_by_size_and_pack_roundtrips():
     assert back.old_bits.tolist() == [1, 2, 3] and back.shape == (8, 4) and back.dtype == "bf16"
 
 
-class _ShardedEngine:
-    """An engine without whole canonical ``tensors`` (as vLLM's): it only forwards the verbs."""
+class _DigestsFail(TensorEngine):
+    """An engine whose digests fail (a member raising): the query is answered with a refusal."""
 
-    def __init__(self, inner: TensorEngine):
-        self._inner = inner
-
-    @property
-    def version(self) -> int:
-        return self._inner.version
-
-    def apply(self, parts):
-        return self._inner.apply(parts)
-
-    def resync(self, parts):
-        return self._inner.resync(parts)
-
-    def checksums(self, full: bool = False):
-        return self._inner.checksums(full)
+    def digests(self):
+        raise RuntimeError("digests unavailable")
 
 
-def test_a_digest_query_to_an_engine_without_whole_tensors_is_refused_not_crashed():
-    from nemo_dcr.refit.messages import QUERY_DIGESTS, QUERY_FULL
+def test_a_query_an_engine_fails_is_refused_not_crashed():
+    from nemo_dcr.refit.messages import Ask
 
     trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
-    refit = _refit(trainer, _ShardedEngine(_engine()))
+    engine = _DigestsFail({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}, key=KEY)
+    refit = _refit(trainer, engine)
     try:
         assert refit.attach().resynced
-        refused = refit.sender.query(QUERY_DIGESTS)[0]
-        assert not refused.ok and "_ShardedEngine holds no whole canonical tensors" in refused.reason
-        state = refit.sender.query(QUERY_FULL)[0]  # the server still answers
-        assert state.ok and set(state.checksums) == set(SHAPES)
+        refused = refit.sender.query(Ask.DIGESTS)[0]
+        assert not refused.ok and refused.reason == "RuntimeError: digests unavailable"
+        assert refused.query.ask == Ask.DIGESTS
+        state = refit.sender.query(Ask.FULL)[0]  # the server still answers
+        assert state.ok and set(state.checksums) == set(SHAPES) and state.query.ask == Ask.FULL
     finally:
         refit.close(5)
+
+
+def test_every_engine_answers_a_digest_query():
+    from nemo_dcr.apply.contract import tensor_digests
+    from nemo_dcr.refit.messages import Ask
+
+    trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
+    engine = _engine()
+    refit = _refit(trainer, engine)
+    try:
+        refit.attach()
+        got = refit.sender.query(Ask.DIGESTS)[0]
+        assert got.ok and got.digests == tensor_digests(trainer.params) == engine.digests()
+    finally:
+        refit.close(5)
+

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nemo_dcr import codec, quant
-from nemo_dcr.apply import InjectedFault, TensorEngine
+from nemo_dcr.apply import InjectedFault, TensorEngine, apply_version
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.refit import DeltaRefit, colocated_wiring
 from nemo_dcr.refit.fp8_mirror import fp8_plan
@@ -229,11 +229,11 @@ def test_a_refused_payload_changes_nothing_in_the_engine():
     target = {**engine.tensors, scale: torch.from_numpy(s.view(np.float32)).reshape(q[scale].shape)}
     payload = codec.encode(engine.tensors, target, codec.Identity(base_version=0, target_version=1), key=KEY)
     with pytest.raises(quant.Fp8PayloadError, match="block \\(0, 0\\).*not finite"):
-        engine.apply([payload])
+        apply_version(engine, {0: [payload]})
     resync = codec.encode({n: torch.zeros_like(t) for n, t in target.items()}, target,
                           codec.Identity(base_version=0, target_version=1), key=KEY)
     with pytest.raises(quant.Fp8PayloadError, match="not finite"):
-        engine.resync([resync])
+        apply_version(engine, {0: [resync]}, resync=True)
     assert engine.version == 0 and all(np.array_equal(held[n], b) for n, b in _bits(engine.tensors).items())
 
 

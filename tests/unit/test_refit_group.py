@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
-from nemo_dcr.apply.routed import RoutedEngine
+from nemo_dcr.apply import TensorEngine
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.integrations.vllm.worker import get_loader, set_loader
 from nemo_dcr.refit import DeltaRefit, EngineServer, engine_wiring
@@ -103,7 +103,7 @@ def test_a_replica_that_missed_a_version_is_found_by_its_own_view_checksums():
     probed = [probe_model(m, shapes, record_loader_calls(m, shapes.items(), set_loader), get_loader) for m in models]
     placements = assign_primary(probed)
     hub = InProcHub(3)
-    servers = [EngineServer(RoutedEngine({n: p.data for n, p in m.named_parameters()}, pl, key=KEY),
+    servers = [EngineServer(TensorEngine({n: p.data for n, p in m.named_parameters()}, key=KEY, placement=pl),
                             hub.transport(1 + r), [0]) for r, (m, pl) in enumerate(zip(models, placements))]
     threads = [threading.Thread(target=s.serve, daemon=True) for s in servers]
     for t in threads:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.apply import InjectedFault, TensorEngine, UndoLog
+from nemo_dcr.apply import InjectedFault, TensorEngine, UndoLog, apply_version
 from nemo_dcr.codec import Identity, encode
 
 
@@ -63,10 +63,10 @@ def test_engine_bounds_its_undo_log_and_rolls_back_from_disk(tmp_path):
 
     engine.fault = fault
     with pytest.raises(InjectedFault):
-        engine.apply([payload])
+        apply_version(engine, {0: [payload]})
     assert all(torch.equal(engine.tensors[n].view(torch.int16), base[n].view(torch.int16)) for n in base)
     engine.fault = None
-    result = engine.apply([payload])
+    result = apply_version(engine, {0: [payload]})
     assert result.undo_bytes <= 1000 and result.undo_spilled_bytes >= 2 * 3 * 20_000 - 1000
     assert all(torch.equal(engine.tensors[n].view(torch.int16), target[n].view(torch.int16)) for n in base)
     assert not list(tmp_path.iterdir())
@@ -79,9 +79,9 @@ def test_resync_undo_spills_whole_tensors(tmp_path):
     resync = encode(zeros, target, Identity(base_version=0, target_version=5), "reference")
     engine.fault = lambda name: (_ for _ in ()).throw(InjectedFault(name)) if name == "w2" else None
     with pytest.raises(InjectedFault):
-        engine.resync([resync])
+        apply_version(engine, {0: [resync]}, resync=True)
     assert all(torch.equal(engine.tensors[n].view(torch.int16), base[n].view(torch.int16)) for n in base)
     engine.fault = None
-    result = engine.resync([resync])
+    result = apply_version(engine, {0: [resync]}, resync=True)
     assert result.undo_bytes == 0 and result.undo_spilled_bytes == 3 * 2 * 20_000
     assert all(torch.equal(engine.tensors[n].view(torch.int16), target[n].view(torch.int16)) for n in base)

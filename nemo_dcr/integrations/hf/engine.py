@@ -17,12 +17,11 @@ dequantized copy before the version commits (readers wait for the commit, so non
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from nemo_dcr import quant
-from nemo_dcr.apply import ApplyResult, TensorEngine
+from nemo_dcr.apply import ApplyResult, EngineChecksums, Parts, TensorEngine
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,8 @@ class Generation:
 
 
 class HFEngine:
-    """Wraps a transformers ``*ForCausalLM`` as an engine.
+    """Wraps a transformers ``*ForCausalLM`` as an engine (the contract of
+    :class:`nemo_dcr.apply.Engine`: canonical tensors held whole, one shard).
 
     Args:
         model: the model (converted in place to ``dtype``, put in eval mode).
@@ -94,30 +94,38 @@ class HFEngine:
         """Live parameters by canonical name (do not write into them)."""
         return self.engine.tensors
 
-    def apply(self, parts: Sequence[bytes]) -> ApplyResult:
-        """Apply one version in place (transactional); returns touched tensors and counts."""
-        return self._commit(self.engine.prepare(parts))
+    def placement(self) -> list[dict]:
+        """None: the parameters are the canonical tensors, held whole."""
+        return self.engine.placement()
 
-    def resync(self, parts: Sequence[bytes]) -> ApplyResult:
-        """Full resync in place (transactional)."""
-        return self._commit(self.engine.prepare(parts, resync=True))
+    def prepare(self, parts: Parts, resync: bool = False) -> ApplyResult:
+        """Write and verify one version in place (``{0: parts}``), keeping its undo log."""
+        return self.engine.prepare(parts, resync)
 
-    def _commit(self, prepared: ApplyResult) -> ApplyResult:
-        """Commit a prepared version; FP8 layers it touched drop their dequantized weight first
+    def commit(self) -> ApplyResult:
+        """Commit the prepared version; FP8 layers it touched drop their dequantized weight first
         (the write guard is still held, so the next generation sees only the new version)."""
-        for name in prepared.touched:
+        for name in (self.engine.pending.touched if self.engine.pending is not None else ()):
             layer = self._fp8_layers.get(name)
             if layer is not None:
                 layer.refresh()
         return self.engine.commit()
 
+    def rollback(self) -> ApplyResult:
+        """Undo the prepared version bit for bit (no FP8 layer dropped its dequantized weight)."""
+        return self.engine.rollback()
+
     def serving(self):
         """Hold the current version for one generation (a context manager yielding it)."""
         return self.engine.serving()
 
-    def checksums(self, full: bool = False) -> dict[str, int]:
+    def checksums(self, full: bool = False) -> EngineChecksums:
         """Per-tensor checksums (incremental, or a full scan)."""
         return self.engine.checksums(full)
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every engine tensor's bits."""
+        return self.engine.digests()
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 8) -> Generation:

@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
+from nemo_dcr.apply import TensorEngine
 from nemo_dcr.apply.placement import placement_to_json
 from nemo_dcr.codec.auth import read_key_file
 
 from .options import PluginOptions
 from .policy import PolicySide
-from .rollout import InPlaceEngine, RolloutSide, build_engine, find_owner, probe_worker
+from .rollout import RolloutSide, build_engine, find_owner, probe_worker
 from .session import Topology, new_nonce, policy_metadata, rollout_metadata
 
 
@@ -57,7 +58,7 @@ class DcrCheckpointEngine:
         self.rollout: RolloutSide | None = None
         self._worker: Any = None
         self._probe: tuple | None = None
-        self._engine: InPlaceEngine | None = None
+        self._engine: TensorEngine | None = None
 
     @property
     def version(self) -> int | None:

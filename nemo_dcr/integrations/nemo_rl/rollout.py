@@ -8,12 +8,13 @@ reference to the worker.  It finds the worker through the garbage collector's re
 each canonical element lives in ``model_runner.model`` with vLLM's own weight loaders
 (:func:`probe_worker`; :mod:`nemo_dcr.apply.placement`).
 
-:class:`InPlaceEngine` applies each version transactionally into the live params (a
-:class:`~nemo_dcr.apply.routed.RoutedEngine`: undo log, verified checksums); no copy of the model
-is kept.  After a resync it writes the constants vLLM's loaders leave in a param (vocab padding
-rows), so a first sync into vLLM's dummy weights ends bit-identical to loading the policy's
-tensors with ``load_weights``.  :class:`RolloutSide` serves the refit protocol for one sync
-(:meth:`RolloutSide.receive`) until the policy's end-of-sync message.
+:func:`build_engine` makes the worker's engine: a :class:`~nemo_dcr.apply.TensorEngine` over the
+live params and this rank's placement, applying each version transactionally in place (undo
+log, verified checksums); no copy of the model is kept.  After a resync it writes the constants
+vLLM's loaders leave in a param (vocab padding rows), so a first sync into vLLM's dummy weights
+ends bit-identical to loading the policy's tensors with ``load_weights``.  :class:`RolloutSide`
+serves the refit protocol for one sync (:meth:`RolloutSide.receive`) until the policy's
+end-of-sync message.
 """
 
 from __future__ import annotations
@@ -21,19 +22,14 @@ from __future__ import annotations
 import gc
 import json
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-import numpy as np
-import torch
-
-from nemo_dcr.apply import ApplyResult, UndoLog
-from nemo_dcr.apply.placement import (PlacementError, TensorPlacement, assign_primary, check_coverage, probe_model,
-                                      record_loader_calls)
-from nemo_dcr.apply.routed import RoutedEngine
+from nemo_dcr.apply import TensorEngine
+from nemo_dcr.apply.placement import PlacementError, assign_primary, check_coverage, probe_model, record_loader_calls
 from nemo_dcr.refit.server import EngineServer
 from nemo_dcr.transport import MessageKind, TransportError
 from nemo_dcr.transport.base import TransportTimeout
-from nemo_dcr.types import int_view, spec_of
+from nemo_dcr.types import spec_of
 
 from .session import SyncTransport, Topology
 
@@ -65,7 +61,7 @@ def probe_worker(worker: Any) -> tuple[dict, dict[str, tuple[str, tuple[int, ...
     """Placement of every canonical tensor on this vLLM worker, from vLLM's own loaders.
 
     Returns:
-        ``(placement, table, fills)``: canonical name -> :class:`TensorPlacement` (no primary
+        ``(placement, table, fills)``: canonical name -> :class:`~nemo_dcr.apply.placement.TensorPlacement` (no primary
         yet), the canonical table, and the constants loaders write (``{param: [(pos, values)]}``).
 
     Raises:
@@ -87,63 +83,15 @@ def probe_worker(worker: Any) -> tuple[dict, dict[str, tuple[str, tuple[int, ...
                            "tensors: the model does not follow vLLM's weight-loader contract")
     fills: dict = {}
     placement = probe_model(model, shapes, calls, get_loader, fills=fills, device="cpu")  # off vLLM's GPU
-    return placement, table, _outside_views(fills, placement)
-
-
-def _outside_views(fills: Mapping[str, list], placement: Mapping[str, TensorPlacement]) -> dict:
-    """Fill constants only at positions no canonical element lands on (a loader that clears a whole
-    fused param before writing its slot must not clear the other slots after a resync)."""
-    out = {}
-    for param, entries in fills.items():
-        held = [tp.runs.expand()[1] for tp in placement.values() if tp.param == param]
-        taken = np.concatenate(held) if held else np.zeros(0, np.int64)
-        kept = []
-        for pos, values in entries:
-            keep = ~np.isin(pos, taken)
-            if keep.any():
-                kept.append((pos[keep], values[keep]))
-        if kept:
-            out[param] = kept
-    return out
-
-
-class InPlaceEngine(RoutedEngine):
-    """The live params of one vLLM worker as a refit engine (see the module docstring).
-
-    Args:
-        params: vLLM param name -> live tensor.
-        placement: this rank's placement, primaries assigned over all rollout ranks.
-        fills: constants loaders write outside every view (see :func:`probe_worker`).
-        key: HMAC key of the payloads.
-        keep_index: keep ``dcr`` class indexes of the views (host memory, ~2.3 bytes per element).
-    """
-
-    def __init__(self, params: Mapping[str, torch.Tensor], placement: Mapping[str, TensorPlacement],
-                 fills: Mapping[str, list], key: bytes | None, keep_index: bool = True):
-        super().__init__(params, placement, 0, key, keep_index)
-        self.fills = dict(fills)
-
-    def resync(self, parts: Sequence[bytes]) -> ApplyResult:
-        """A resync, then the loaders' constants in the resynced params, as one transaction."""
-        result = self.prepare(parts, resync=True)
-        undo = UndoLog()
-        try:
-            for param in sorted({self.placement[n].param for n in result.touched} & set(self.fills)):
-                flat = int_view(self.params[param])
-                for pos, values in self.fills[param]:
-                    bits = int_view(torch.from_numpy(values).to(self.params[param].dtype).reshape(-1))
-                    undo.scatter(flat, torch.from_numpy(pos).to(flat.device), bits.to(flat.device))
-        except BaseException:
-            undo.rollback()
-            self.rollback()
-            raise
-        return self.commit()
+    return placement, table, fills
 
 
 def build_engine(worker: Any, probe: tuple, topo: Topology, rollout_rank: int, key: bytes,
-                 keep_index: bool = True) -> InPlaceEngine:
-    """The in-place engine of rollout rank ``rollout_rank``: primaries assigned over every rollout
-    rank's placement (from NeMo-RL's metadata, the same on every rank), coverage checked.
+                 keep_index: bool = True) -> TensorEngine:
+    """The in-place engine of rollout rank ``rollout_rank`` over the worker's live params: primaries
+    assigned over every rollout rank's placement (from NeMo-RL's metadata, the same on every rank),
+    coverage checked; ``keep_index`` keeps ``dcr`` class indexes of the views (host memory, ~2.3
+    bytes per element).
 
     Raises:
         PlacementError: some canonical element is held by no rollout rank.
@@ -155,21 +103,21 @@ def build_engine(worker: Any, probe: tuple, topo: Topology, rollout_rank: int, k
     if set(mine) != set(own):
         raise PlacementError(f"rollout rank {rollout_rank}: NeMo-RL's metadata carries another rank's placement")
     params = {n: p.data for n, p in worker.model_runner.model.named_parameters()}
-    return InPlaceEngine(params, mine, fills, key, keep_index)
+    return TensorEngine(params, 0, key, keep_index, placement=mine, fills=fills)
 
 
 class RolloutSide:
     """One vLLM worker in one session: serves each sync until the policy's end-of-sync message.
 
     Args:
-        engine: this worker's :class:`InPlaceEngine` (kept across sessions).
+        engine: this worker's engine (:func:`build_engine`; kept across sessions).
         topo: the session (from NeMo-RL's metadata).
         rollout_rank: this worker's rollout rank (refit-group rank ``T + rollout_rank``).
         key: HMAC key of the store transport.
         timeout_s: longest wait for the next message of a sync.
     """
 
-    def __init__(self, engine: InPlaceEngine, topo: Topology, rollout_rank: int, key: bytes, timeout_s: float):
+    def __init__(self, engine: TensorEngine, topo: Topology, rollout_rank: int, key: bytes, timeout_s: float):
         self.engine, self.topo = engine, topo
         self.rank = topo.train_world + rollout_rank
         self.transport = SyncTransport(topo.folder, self.rank, key, topo.session)

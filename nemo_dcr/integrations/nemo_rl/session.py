@@ -6,7 +6,8 @@ a random *nonce* there (made once per engine object); a **session** is the set o
 of one ``init_communicator``, named by a hash of all nonces, so every party derives the same name
 without talking, a restarted policy or rollout worker (a new engine object) starts a new session,
 and NeMo-RL re-initialising the same objects (``release_after_refit``) keeps it.  The rollout
-workers also publish the canonical table and their placements there (compressed JSON).
+workers also publish the canonical table and their placements there (compressed JSON).  The
+layout of every entry is written down in docs/wire_format.md section 7.6.
 
 Messages travel over the store transport (:class:`~nemo_dcr.transport.StoreTransport`, HMAC-keyed)
 in ``<url>/session-<id>/sync-<n>/``: a folder per sync (:class:`SyncTransport`), numbered by each
@@ -30,6 +31,9 @@ from nemo_dcr.transport import Envelope, StoreTransport
 
 TAG = "nemo_dcr"
 """Key marking metadata produced by this plugin."""
+
+ENTRY_KEYS = {"policy": ("nonce",), "rollout": ("nonce", "table", "table_sha", "placement", "placed")}
+"""Keys an entry of each role carries besides :data:`TAG` (NeMo-RL may add its own, e.g. ``rank``)."""
 
 
 def new_nonce() -> str:
@@ -91,6 +95,8 @@ class Topology:
         roles = [m[TAG] for m in metadata]
         if roles != ["policy"] * train_world + ["rollout"] * rollout_world:
             raise ValueError(f"metadata roles {roles} are not {train_world} policy then {rollout_world} rollout")
+        for i, m in enumerate(metadata):
+            _check_entry(i, m)
         nonces = tuple(m["nonce"] for m in metadata)
         session = hashlib.sha256("|".join(nonces).encode()).hexdigest()[:16]
         rollout = metadata[train_world:]
@@ -106,6 +112,22 @@ class Topology:
     def placements(self) -> list[dict[str, TensorPlacement]]:
         """Every rollout worker's placement (no primaries), in rollout rank order."""
         return [placement_from_json(unpack(b)) for b in self.blobs]
+
+
+def _check_entry(i: int, m: Mapping) -> None:
+    """Entry ``i`` carries its role's keys, a hex nonce and (rollout) a table that matches its sha.
+
+    Raises:
+        ValueError: naming the entry and what is wrong.
+    """
+    missing = [k for k in ENTRY_KEYS[m[TAG]] if k not in m]
+    if missing:
+        raise ValueError(f"metadata entry {i} ({m[TAG]}) lacks {missing}")
+    if not isinstance(m["nonce"], str) or not m["nonce"] or any(c not in "0123456789abcdef" for c in m["nonce"]):
+        raise ValueError(f"metadata entry {i} ({m[TAG]}): nonce {m['nonce']!r} is not lowercase hex")
+    if m[TAG] == "rollout" and (not isinstance(m["table"], bytes)
+                                or hashlib.sha256(m["table"]).hexdigest() != m["table_sha"]):
+        raise ValueError(f"metadata entry {i} (rollout): table_sha is not the sha256 of its table bytes")
 
 
 def rollout_metadata(nonce: str, table: Mapping, placement_json: Mapping) -> dict:

@@ -1,19 +1,21 @@
 """A live vLLM engine (all of its TP ranks) as one refit engine, driven from the ``LLM`` owner.
 
-:class:`VllmEngine` implements what the refit protocol's server drives
-(:class:`nemo_dcr.refit.server.Engine`: ``version``, ``apply``, ``resync``, ``checksums``) plus
-``serving()`` and ``generate()`` for rollouts, over the worker extension
-(:mod:`nemo_dcr.integrations.vllm.worker`) in every TP rank:
+:class:`VllmEngine` implements the engine contract (:class:`nemo_dcr.apply.Engine`) plus
+``generate()`` for rollouts, over the worker extension (:mod:`nemo_dcr.integrations.vllm.worker`)
+in every TP rank, each holding a :class:`~nemo_dcr.apply.TensorEngine` over its live params and
+its placement:
 
-* **Routing**: ``apply`` takes each engine rank's parts (``{rank: [part, ...]}``, what
-  :meth:`nemo_dcr.refit.fanout.Fanout.encode` returns); with TP > 1 each part travels in a file
-  that only its rank reads (``collective_rpc`` broadcasts its arguments to every rank).
-* **One transaction over all ranks**: every rank prepares (writes, verifies, keeps its undo
-  log); only if all of them verified does the driver tell them to commit, otherwise every rank
-  that prepared rolls back, so no rank keeps a version another rank refused.
+* **Shards**: one per TP rank; ``placement()`` is every rank's, and ``prepare`` takes each
+  shard's parts (``{rank: [part, ...]}``, what :meth:`nemo_dcr.refit.fanout.Fanout.encode`
+  returns); with TP > 1 each part travels in a file that only its rank reads (``collective_rpc``
+  broadcasts its arguments to every rank).
+* **One transaction over all ranks**: ``prepare`` has every rank write and verify its parts and
+  keep its undo log; if any rank refused, every rank that prepared rolls back at once
+  (:class:`RankRefusedError`); otherwise ``commit`` tells all ranks to commit (or ``rollback``
+  to roll back), so no rank keeps a version another rank refused.
 * **Checksums**: the ranks' canonical partial checksums summed mod 2**64 (layout-independent,
-  equal to the trainer's totals).
-* **Read guard**: ``generate`` holds the driver's read guard; apply holds the write guard from
+  equal to the trainer's totals), and each rank's view checksums as its shard's.
+* **Read guard**: ``generate`` holds the driver's read guard; a version holds the write guard from
   prepare to commit/rollback, so no generation runs on a mix of versions.
 * **Dense reference**: :meth:`VllmEngine.load_weights` refits the same engine through the
   model's own ``load_weights`` (what a benchmark compares the sparse refit against).
@@ -27,7 +29,9 @@ import tempfile
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Sequence
 
-from nemo_dcr.apply import ApplyResult, RefitRefusedError, VersionGuard
+from nemo_dcr.apply import ApplyResult, EngineChecksums, Parts, RefitRefusedError, VersionGuard
+from nemo_dcr.apply.contract import shard_parts
+from nemo_dcr.apply.guard import PendingSlot
 from nemo_dcr.apply.placement import assign_primary, check_coverage, placement_from_json, placement_to_json
 from nemo_dcr.verify.checksum import MASK64
 
@@ -90,6 +94,7 @@ class VllmEngine:
         """Per rank, seconds its last prepare took (decode, validate, write, verify, repack)."""
         self.last_dense: list[dict] = []
         """Per rank, the timings of the last :meth:`load_weights`."""
+        self._pending: PendingSlot[ApplyResult] = PendingSlot(self.guard)
         self._checksums = self._summed(llm.collective_rpc("dcr_checksums", args=(False,)))
 
     @classmethod
@@ -130,10 +135,7 @@ class VllmEngine:
         """The version every rank holds."""
         return self.guard.version
 
-    sharded = True
-    """The refit server hands :meth:`apply` the parts per shard: one shard per TP rank."""
-
-    def placement_json(self) -> list[dict]:
+    def placement(self) -> list[dict]:
         """Each TP rank's placement, one shard each (JSON form of :mod:`nemo_dcr.apply.placement`,
         primary holders assigned): what the engine reports to the refit path's placement query."""
         return [dict(p) for p in self._placements]
@@ -142,27 +144,69 @@ class VllmEngine:
         """TP rank -> placement objects."""
         return {r: placement_from_json(p) for r, p in enumerate(self._placements)}
 
-    def apply(self, parts: Mapping[int, Sequence[bytes]] | Sequence[bytes]) -> ApplyResult:
-        """Apply one version on every rank as one transaction (see the module docstring).
-
-        Args:
-            parts: ``{engine rank: its parts}``; a plain list only when TP is 1.
+    def prepare(self, parts: Parts, resync: bool = False) -> ApplyResult:
+        """Write and verify one version on every rank (``{rank: its parts}``), keeping every rank's
+        undo log and the write guard until :meth:`commit` or :meth:`rollback`.
 
         Raises:
+            PendingVersionError: another version is prepared (nothing written).
+            IncompletePartsError: parts for a rank this engine does not have (nothing written).
             RankRefusedError: some rank refused or failed verification; all ranks rolled back.
         """
-        return self._transact(parts, resync=False)
+        by_rank = shard_parts(parts, self.tp)
+        hold = self._pending.open()
+        try:
+            with _carried(by_rank, self.tp) as carried:
+                replies = self.llm.collective_rpc("dcr_prepare", args=(carried, resync))
+            failed = [(x["rank"], x["error"], x["message"]) for x in replies if not x["ok"]]
+            if failed:
+                undone = [x["rank"] for x in self.llm.collective_rpc("dcr_rollback") if x["rolled_back"]]
+                target = next((x["target"] for x in replies if x["ok"]), self.version + 1)
+                raise RankRefusedError(target, failed, undone)
+        except BaseException:
+            hold.close()
+            raise
+        self.last_apply = [dict(rank=x["rank"], seconds=x["seconds"]) for x in replies]
+        touched: dict[str, int] = {}
+        for x in replies:
+            for n, c in x["touched"].items():
+                touched[n] = touched.get(n, 0) + c
+        result = ApplyResult(replies[0]["base"], replies[0]["target"], touched, {}, resync,
+                             sum(x["undo_bytes"] for x in replies))
+        self._pending.keep(result, result.target_version, hold)
+        return result
 
-    def resync(self, parts: Mapping[int, Sequence[bytes]] | Sequence[bytes]) -> ApplyResult:
-        """Full resync of the named tensors on every rank (one transaction; see :meth:`apply`)."""
-        return self._transact(parts, resync=True)
+    def commit(self) -> ApplyResult:
+        """Every rank moves to the prepared version; the summed checksums follow."""
+        result, hold = self._pending.take("commit")
+        with hold:
+            self._checksums = self._summed(self.llm.collective_rpc("dcr_commit"))
+            self.guard.version = result.target_version
+        return ApplyResult(result.base_version, result.target_version, result.touched,
+                           dict(self._checksums.canonical), result.resync, result.undo_bytes)
 
-    def checksums(self, full: bool = False) -> dict[str, int]:
-        """Canonical checksums summed over the ranks (incremental, or a full rescan on every rank)."""
+    def rollback(self) -> ApplyResult:
+        """Every rank undoes the prepared version bit for bit."""
+        result, hold = self._pending.take("roll back")
+        with hold:
+            self.llm.collective_rpc("dcr_rollback")
+        return result
+
+    def checksums(self, full: bool = False) -> EngineChecksums:
+        """Canonical checksums summed over the ranks and each rank's views (incremental, or a
+        full rescan on every rank)."""
         if full:
+            self._pending.refuse("a full checksum scan")
             with self.guard.read():
                 self._checksums = self._summed(self.llm.collective_rpc("dcr_checksums", args=(True,)))
-        return dict(self._checksums)
+        return self._checksums
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every param of every rank, as ``"<rank>:<param>"``."""
+        self._pending.refuse("digests")
+        with self.guard.read():
+            per_rank = self.llm.collective_rpc("dcr_digests")
+        return {f"{r}:{n}": d for r, ds in enumerate(per_rank) for n, d in ds.items()}
 
     @contextmanager
     def serving(self) -> Iterator[int]:
@@ -195,57 +239,28 @@ class VllmEngine:
         conventional refit), then a full checksum rescan.  Returns the summed canonical
         checksums; :attr:`last_dense` keeps the ranks' timings (``load_seconds``, ``seconds``).
         """
+        self._pending.refuse("a dense load")
         with self.guard.write():
             replies = self.llm.collective_rpc("dcr_load_weights", args=(str(path), version))
             self._checksums = self._summed(replies)
             self.guard.version = version
         self.last_dense = [dict(rank=x["rank"], load_seconds=x["load_seconds"], seconds=x["seconds"])
                            for x in replies]
-        return dict(self._checksums)
+        return dict(self._checksums.canonical)
 
     def compare(self, path: str) -> dict[int, list[str]]:
         """Per rank, the canonical tensors whose placed elements differ from checkpoint ``path``."""
         with self.guard.read():
             return dict(enumerate(self.llm.collective_rpc("dcr_compare", args=(str(path),))))
 
-    def _transact(self, parts, resync: bool) -> ApplyResult:
-        by_rank = self._by_rank(parts)
-        with self.guard.write():
-            with _carried(by_rank, self.tp) as carried:
-                replies = self.llm.collective_rpc("dcr_prepare", args=(carried, resync))
-            failed = [(x["rank"], x["error"], x["message"]) for x in replies if not x["ok"]]
-            if failed:
-                undone = [x["rank"] for x in self.llm.collective_rpc("dcr_rollback") if x["rolled_back"]]
-                target = next((x["target"] for x in replies if x["ok"]), self.version + 1)
-                raise RankRefusedError(target, failed, undone)
-            self._checksums = self._summed(self.llm.collective_rpc("dcr_commit"))
-            self.guard.version = replies[0]["target"]
-        self.last_apply = [dict(rank=x["rank"], seconds=x["seconds"]) for x in replies]
-        touched: dict[str, int] = {}
-        for x in replies:
-            for n, c in x["touched"].items():
-                touched[n] = touched.get(n, 0) + c
-        return ApplyResult(replies[0]["base"], replies[0]["target"], touched, dict(self._checksums), resync,
-                           sum(x["undo_bytes"] for x in replies))
-
-    def _by_rank(self, parts) -> list[list[bytes]]:
-        if isinstance(parts, Mapping):
-            unknown = sorted(set(parts) - set(range(self.tp)))
-            if unknown:
-                raise ValueError(f"parts for engine ranks {unknown}; this engine has ranks 0..{self.tp - 1}")
-            return [list(parts.get(r, ())) for r in range(self.tp)]
-        if self.tp != 1:
-            raise ValueError(f"a flat list of parts is ambiguous with {self.tp} engine ranks: "
-                             "pass {rank: parts} (Fanout.encode returns that)")
-        return [list(parts)]
-
     @staticmethod
-    def _summed(replies: Sequence[dict]) -> dict[str, int]:
+    def _summed(replies: Sequence[dict]) -> EngineChecksums:
+        """The ranks' canonical partial sums added mod 2**64; each rank's views as its shard's."""
         out: dict[str, int] = {}
         for x in replies:
             for n, c in x["checksums"].items():
                 out[n] = (out.get(n, 0) + c) & MASK64
-        return out
+        return EngineChecksums(out, {x["rank"]: dict(x["views"]) for x in replies})
 
 
 @contextmanager

@@ -12,8 +12,10 @@ model loads; vLLM imports the extension class before it builds the model.
   model's ``load_weights`` runs with every param's loader replaced by a recorder, then each
   recorded call is replayed with an int64 iota tensor into a -1 probe buffer
   (:mod:`nemo_dcr.apply.placement`).  Live weights are untouched.
+* ``dcr_attach`` builds this rank's :class:`~nemo_dcr.apply.TensorEngine` over the live params and
+  its placement (with the constants the loaders write, so a resync ends as a fresh load does).
 * ``dcr_prepare`` / ``dcr_commit`` / ``dcr_rollback`` apply one version as a transaction that
-  spans all TP ranks (:meth:`nemo_dcr.apply.routed.RoutedEngine.prepare`): every rank writes and
+  spans all TP ranks (:meth:`nemo_dcr.apply.TensorEngine.prepare`): every rank writes and
   verifies, keeps its undo log, and commits only when the driver heard that all ranks verified.
 * Prepacked CPU MoE experts are written in their loader layout and the touched experts repacked
   and read back (:class:`~nemo_dcr.integrations.vllm.cpu.PackedExperts`).
@@ -33,7 +35,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from nemo_dcr.apply import ApplyResult, ApplyVerificationError, UndoLog
+from nemo_dcr.apply import ApplyResult, ApplyVerificationError, EngineChecksums, TensorEngine
 from nemo_dcr.apply.placement import placement_from_json, placement_to_json, probe_model, record_loader_calls
 
 from . import cpu
@@ -87,6 +89,11 @@ def _result_json(r: ApplyResult) -> dict:
                 undo_bytes=r.undo_bytes)
 
 
+def _checksums_json(c: EngineChecksums) -> dict:
+    """This rank's canonical partial sums and its (one shard's) view checksums."""
+    return dict(checksums=c.canonical, views=c.views.get(0, {}))
+
+
 class DcrWorkerExtension:
     """Mixed into vLLM's worker by ``worker_extension_cls``; methods run via ``collective_rpc``."""
 
@@ -114,8 +121,6 @@ class DcrWorkerExtension:
         Raises:
             ApplyVerificationError: a prepacked expert is not the packing of its loader-layout copy.
         """
-        from nemo_dcr.apply.routed import RoutedEngine
-
         model = self._dcr_model()
         self.dcr_packed = cpu.PackedExperts.find(model)
         for name, layer in self.dcr_packed.items():
@@ -125,8 +130,7 @@ class DcrWorkerExtension:
         params = {n: p.data for n, p in model.named_parameters()}
         params.update({n: layer.unpacked[n] for n, layer in self.dcr_packed.items()})
         mine = placement_from_json(placements[self.rank])
-        self.dcr_engine = RoutedEngine(params, mine, version, key, keep_index)
-        self.dcr_fill_undo = UndoLog()
+        self.dcr_engine = TensorEngine(params, version, key, keep_index, placement=mine, fills=self.dcr_fills)
         return dict(rank=self.rank, tensors=len(mine), version=version)
 
     def dcr_prepare(self, parts_by_rank: Sequence[Sequence[Part]], resync: bool = False) -> dict:
@@ -138,12 +142,10 @@ class DcrWorkerExtension:
         """
         t0 = time.perf_counter()
         try:
-            result = self.dcr_engine.prepare(read_parts(parts_by_rank[self.rank]), resync)
+            result = self.dcr_engine.prepare({0: read_parts(parts_by_rank[self.rank])}, resync)
         except Exception as exc:  # refused or rolled back here; reported to the driver
             return dict(ok=False, rank=self.rank, error=type(exc).__name__, message=str(exc)[:2000])
         try:
-            if result.resync:
-                self._dcr_fill(result)
             self._dcr_repack(result, verify=True)
         except Exception as exc:
             self._dcr_undo(result)
@@ -151,10 +153,10 @@ class DcrWorkerExtension:
         return dict(ok=True, rank=self.rank, seconds=time.perf_counter() - t0, **_result_json(result))
 
     def dcr_commit(self) -> dict:
-        """Move to the prepared version; returns it and this rank's canonical partial checksums."""
+        """Move to the prepared version; returns it and this rank's checksums (canonical partial
+        sums and views)."""
         result = self.dcr_engine.commit()
-        self.dcr_fill_undo = UndoLog()
-        return dict(rank=self.rank, version=result.target_version, checksums=self.dcr_engine.checksums())
+        return dict(rank=self.rank, version=result.target_version, **_checksums_json(self.dcr_engine.checksums()))
 
     def dcr_rollback(self) -> dict:
         """Undo the prepared version bit for bit (a no-op when nothing is prepared)."""
@@ -164,8 +166,12 @@ class DcrWorkerExtension:
         return dict(rank=self.rank, rolled_back=True, version=self.dcr_engine.version)
 
     def dcr_checksums(self, full: bool = False) -> dict:
-        """Version and canonical partial checksums (sum over ranks = the trainer's totals)."""
-        return dict(version=self.dcr_engine.version, checksums=self.dcr_engine.checksums(full))
+        """Version, canonical partial checksums (sum over ranks = the trainer's totals) and views."""
+        return dict(rank=self.rank, version=self.dcr_engine.version, **_checksums_json(self.dcr_engine.checksums(full)))
+
+    def dcr_digests(self) -> dict[str, str]:
+        """sha256 of every param this rank's engine writes into."""
+        return self.dcr_engine.digests()
 
     def dcr_load_weights(self, path: str, version: int) -> dict:
         """Dense refit through the model's own ``load_weights`` from a safetensors checkpoint.
@@ -180,15 +186,15 @@ class DcrWorkerExtension:
         t0 = time.perf_counter()
         loaded = []
 
-        def write() -> None:
+        def write(params) -> None:
             with self._dcr_loader_layout():
                 model.load_weights(load_checkpoint(path).items())
             for name, layer in self.dcr_packed.items():
                 layer.repack(name)
             loaded.append(time.perf_counter() - t0)
 
-        checksums = self.dcr_engine.dense_refit(write, version)
-        return dict(rank=self.rank, version=version, checksums=checksums, load_seconds=loaded[0],
+        checksums = _checksums_json(self.dcr_engine.dense_refit(write, version))
+        return dict(rank=self.rank, version=version, **checksums, load_seconds=loaded[0],
                     seconds=time.perf_counter() - t0)
 
     def dcr_compare(self, path: str) -> list[str]:
@@ -200,32 +206,19 @@ class DcrWorkerExtension:
         from nemo_dcr.checkpoint import load_checkpoint
         from nemo_dcr.types import int_view
 
-        ref = load_checkpoint(path, self.dcr_engine.placement)
+        ref = load_checkpoint(path, self.dcr_engine.placed)
         out = []
-        for name, tp in self.dcr_engine.placement.items():
+        for name, tp in self.dcr_engine.placed.items():
             canon, _ = tp.runs.expand()
             want = int_view(ref[name].contiguous()).reshape(-1)[torch.from_numpy(canon)]
-            if not torch.equal(int_view(self.dcr_engine.inner.tensors[name].gather()), want):
+            if not torch.equal(int_view(self.dcr_engine.tensors[name].gather()), want):
                 out.append(name)
         return out
 
     def _dcr_undo(self, result: ApplyResult) -> None:
-        """Roll the prepared version back: views, loader constants, then the repacked experts."""
+        """Roll the prepared version back (views and loader constants), then the repacked experts."""
         self.dcr_engine.rollback()
-        self.dcr_fill_undo.rollback()
         self._dcr_repack(result, verify=False)
-
-    def _dcr_fill(self, result: ApplyResult) -> None:
-        """After a resync, write the constants a fresh load leaves in the resynced params (vocab
-        padding rows), so a resync from dummy weights ends bit-identical to loading the target."""
-        from nemo_dcr.types import int_view
-
-        params = {self.dcr_engine.placement[n].param for n in result.touched}
-        for param in sorted(params & set(self.dcr_fills)):
-            flat = int_view(self.dcr_engine.params[param])
-            for pos, values in self.dcr_fills[param]:
-                bits = torch.from_numpy(values).to(self.dcr_engine.params[param].dtype).reshape(-1)
-                self.dcr_fill_undo.scatter(flat, torch.from_numpy(pos), int_view(bits))
 
     def _dcr_loader_layout(self):
         """Context in which prepacked params hold their loader-layout copies (for ``load_weights``)."""
@@ -250,7 +243,7 @@ class DcrWorkerExtension:
 
     def _dcr_touched_experts(self, result: ApplyResult) -> dict[str, np.ndarray | None]:
         """Prepacked param -> expert ids ``result`` wrote (None: all, after a resync)."""
-        placement = self.dcr_engine.placement
+        placement = self.dcr_engine.placed
         if result.resync:
             return {placement[n].param: None for n in result.touched if placement[n].param in self.dcr_packed}
         out: dict[str, list[np.ndarray]] = {}

@@ -82,12 +82,13 @@ def engine_main(cfg: ChaosConfig) -> None:
             crashed.append(name)
             raise InjectedFault(f"chaos: crash after writing {name}")
 
-    def reset_count(parts, _apply=engine.apply):
-        fault.count = 0
-        return _apply(parts)
+    def reset_count(parts, resync=False, _prepare=engine.prepare):
+        if not resync:  # a delta's writes are counted from its first tensor
+            fault.count = 0
+        return _prepare(parts, resync)
 
     engine.fault = fault
-    engine.apply = reset_count
+    engine.prepare = reset_count
     stop = threading.Event()
 
     def reader():
@@ -169,7 +170,7 @@ def _one_refit(t: _Trainer, i: int, kind: str | None, checkpoints: list, rng, lo
 
 def trainer_main(cfg: ChaosConfig, rank: int) -> None:
     """Trainer rank: attach, then ``cfg.refits`` refits with the scheduled faults."""
-    from nemo_dcr.refit.messages import QUERY_DIGESTS
+    from nemo_dcr.refit.messages import Ask
     from nemo_dcr.transport import Envelope, MessageKind
 
     torch.set_num_threads(1)
@@ -184,7 +185,7 @@ def trainer_main(cfg: ChaosConfig, rank: int) -> None:
         out = _one_refit(t, i, plan.get(i), checkpoints, rng, log)
         dense = t.dense_digests()
         if rank == 0:
-            engine = t.refit.sender.query(QUERY_DIGESTS)[0].digests
+            engine = t.refit.sender.query(Ask.DIGESTS)[0].digests
             rows.append(dict(refit=i, fault=plan.get(i), committed=out.committed, resynced=out.resynced,
                              detected=list(out.detected), version_before=before, version=out.version,
                              bit_exact=dense == engine, changed=out.changed, bytes=out.payload_bytes,

@@ -46,10 +46,10 @@ def _build(kind: str, hf_dir: Path, key: bytes | None, dcr):
     return build_hf_engine(hf_dir, key, dcr), tokenizer
 
 
-def _load_and_compare(engine, dense: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
+def _load_and_compare(kind: str, engine, dense: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
     """The dense refit's last hop and whether the engine equals the dense export, bit for bit (by
     the engine's own means): ``(seconds of the load, seconds of the comparison, same)``."""
-    if not hasattr(engine, "compare"):
+    if kind != "vllm":
         return load_and_compare(engine, dense)
     t0 = time.perf_counter()
     scratch = {n: t.clone() for n, t in dense.items()}
@@ -87,11 +87,11 @@ def engine_main(conn, kind: str, hf_dir: str, store_dir: str, trainers: int, key
         if verb == "rollout":
             conn.send(rollout(engine, tokenizer, rng, rl_cfg))
         elif verb == "dense":  # the dense refit's last hop: load a dense export into scratch, then compare
-            conn.send(_load_and_compare(engine, arg))
+            conn.send(_load_and_compare(kind, engine, arg))
         elif verb == "stop":
             break
     thread.join()  # the server stopped and its transport closed with the trainers'
-    if hasattr(engine, "close"):
+    if kind == "vllm":
         engine.close()
     conn.send(("stopped", {"committed": server.stats.committed, "refused": server.stats.refused}))
 

@@ -41,7 +41,7 @@ def load_and_compare(engine, dense: dict[str, torch.Tensor]) -> tuple[float, flo
     Returns:
         ``(seconds of the load, seconds of the comparison, same)``.
     """
-    plan, live = getattr(engine, "fp8_plan", None), engine.tensors
+    plan, live = engine.fp8_plan, engine.tensors
     t0 = time.perf_counter()
     held = dense if plan is None else plan.quantize_model(dense)[0]
     for name, t in held.items():

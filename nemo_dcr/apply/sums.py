@@ -1,0 +1,108 @@
+"""The one owner of an engine rank's checksum bookkeeping (:class:`HeldSums`).
+
+An engine rank keeps two values per canonical tensor it holds:
+
+* its **view** checksum ``Σ h(view index, bits)`` over the elements it holds, in the index space
+  payload records name (the whole tensor's flat index, or the view of a tensor placed inside an
+  engine param: :class:`~.shard_view.ShardView`).  The transaction checks every record's base and
+  target checksum against it, and the sender's mirror expects it of each shard.
+* its **canonical** partial sum ``Σ h(canonical index, bits)`` over the elements it is the primary
+  holder of (:func:`~.placement.assign_primary`), so that summing every engine rank's values gives
+  each canonical tensor's total with replicated elements counted once, whatever the layout.
+
+For tensors held whole both are the same value.  Both move only with a committed version: views to
+the records' verified target checksums, canonical sums by the written changes (cost ∝ changes),
+both rescanned after a resync or on a full scan.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from nemo_dcr.types import SparseDelta, host_bits
+from nemo_dcr.verify.checksum import checksums_after, hash_sum, tensor_checksum
+
+from .contract import EngineChecksums
+from .placement import TensorPlacement
+from .shard_view import ShardView
+from .transaction import ApplyResult, Live
+
+
+def _bits(t: Live) -> np.ndarray:
+    return host_bits(t.gather() if isinstance(t, ShardView) else t)
+
+
+def full_checksums(tensors: Mapping[str, Live]) -> dict[str, int]:
+    """Checksum of every tensor by a full scan (index = flat index, or view index for a view)."""
+    return {name: tensor_checksum(_bits(t)) for name, t in tensors.items()}
+
+
+def _primary_view(tp: TensorPlacement) -> np.ndarray:
+    if not tp.primary:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in tp.primary])
+
+
+def _in_primary(tp: TensorPlacement, view: np.ndarray) -> np.ndarray:
+    starts = np.array([s for s, _ in tp.primary], np.int64)
+    ends = np.array([s + n for s, n in tp.primary], np.int64)
+    r = np.searchsorted(starts, view, side="right") - 1
+    return (r >= 0) & (view < ends[np.maximum(r, 0)]) if starts.size else np.zeros(view.size, bool)
+
+
+def _canonical_delta(d: SparseDelta, tp: TensorPlacement) -> SparseDelta:
+    """A view-space delta's primary elements at their canonical indices."""
+    keep = _in_primary(tp, d.positions)
+    return SparseDelta(d.name, d.dtype, tp.shape, tp.runs.view_to_canon(d.positions[keep]), d.new_bits[keep],
+                       d.old_bits[keep])
+
+
+class HeldSums:
+    """View checksums and canonical partial sums of what one engine rank holds (module docstring).
+
+    Args:
+        tensors: record name -> live tensor or view (what the transaction writes).
+        placed: canonical name -> placement on this rank (primaries assigned); empty when the
+            tensors are the canonical tensors, held whole.
+    """
+
+    def __init__(self, tensors: Mapping[str, Live], placed: Mapping[str, TensorPlacement]):
+        self.tensors, self.placed = tensors, placed
+        self.views: dict[str, int] = {}
+        self._canonical: dict[str, int] = {}
+        self.rescan()
+
+    def _scan_canonical(self, name: str) -> int:
+        tp = self.placed[name]
+        view = _primary_view(tp)
+        return hash_sum(tp.runs.view_to_canon(view), _bits(self.tensors[name])[view])
+
+    def rescan(self, names: Iterable[str] | None = None) -> None:
+        """Both values of ``names`` (default: every tensor) from what memory holds."""
+        names = list(self.tensors if names is None else names)
+        self.views.update(full_checksums({n: self.tensors[n] for n in names}))
+        if self.placed:
+            self._canonical.update({n: self._scan_canonical(n) for n in names})
+
+    def commit(self, result: ApplyResult) -> None:
+        """A version committed: views take the records' verified targets; canonical sums move by
+        the changes written (rescanned for a resync, which carries no deltas)."""
+        self.views.update(result.checksums)
+        if not self.placed:
+            return
+        if result.resync:
+            self._canonical.update({n: self._scan_canonical(n) for n in result.touched})
+            return
+        moved = [_canonical_delta(d, self.placed[d.name]) for d in result.deltas if d.nnz]
+        self._canonical = checksums_after(self._canonical, moved)
+
+    @property
+    def canonical(self) -> dict[str, int]:
+        """Canonical partial sums (the view checksums for tensors held whole)."""
+        return dict(self._canonical if self.placed else self.views)
+
+    def value(self) -> EngineChecksums:
+        """What this rank reports: canonical sums, and its views as shard 0 when placed."""
+        return EngineChecksums(self.canonical, {0: dict(self.views)} if self.placed else {})
