@@ -27,7 +27,7 @@ from nemo_dcr.layout.hf_config import dims_from_hf_config, unmodelled_fields
 from nemo_dcr.layout.mappings import MegatronSpec
 from nemo_dcr.layout.models import HF_CONFIGS, MODELS, model_dims
 from nemo_dcr.layout.parallel import LayoutError, ParallelLayout, chunk_layers
-from nemo_dcr.layout.plan import LayoutPlan, ParamPlan, build_chunk_plans, build_plan
+from nemo_dcr.layout.param_plans import LayoutPlan, ParamPlan, build_chunk_plans, build_plan
 from nemo_dcr.layout.shapes import canonical_shapes
 from nemo_dcr.layout.transforms import Piece, RemapResult
 

@@ -31,7 +31,7 @@ from nemo_dcr.quant.fp8 import (
     quantize,
 )
 from nemo_dcr.quant.linear import Fp8Linear, to_fp8_linears
-from nemo_dcr.quant.plan import DEFAULT_KEEP, REQUANTIZE_FRACTION, Fp8Plan, Fp8Rule
+from nemo_dcr.quant.fp8_plan import DEFAULT_KEEP, REQUANTIZE_FRACTION, Fp8Plan, Fp8Rule
 
 __all__ = [
     "AMAX_FLOOR", "DEFAULT_KEEP", "E4M3_MAX", "REQUANTIZE_FRACTION", "Fp8DeltaStats", "Fp8Error", "Fp8Linear",

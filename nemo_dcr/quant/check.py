@@ -143,7 +143,7 @@ def check_fp8_payload(engine: Mapping[str, torch.Tensor], deltas: Sequence[Spars
     Args:
         engine: the engine's tensors by name.
         deltas: decoded changes (``codec.decode(...).deltas``).
-        plan: the :class:`~nemo_dcr.quant.plan.Fp8Plan` the engine was built with.
+        plan: the :class:`~nemo_dcr.quant.fp8_plan.Fp8Plan` the engine was built with.
 
     Returns:
         Blocks checked in total.
@@ -195,7 +195,7 @@ class Fp8TransactionCheck:
     a version whose scales or bytes break them is refused before anything is written.
 
     Args:
-        plan: the :class:`~nemo_dcr.quant.plan.Fp8Plan` the engine was built with.
+        plan: the :class:`~nemo_dcr.quant.fp8_plan.Fp8Plan` the engine was built with.
     """
 
     def __init__(self, plan):

@@ -62,7 +62,7 @@ def to_fp8_linears(model: nn.Module, plan, engine: Mapping[str, torch.Tensor]) -
 
     Args:
         model: the engine model (canonical parameter names).
-        plan: its :class:`~nemo_dcr.quant.plan.Fp8Plan`.
+        plan: its :class:`~nemo_dcr.quant.fp8_plan.Fp8Plan`.
         engine: FP8 weights and scales by name (``plan.quantize_model``); the new modules use
             these tensors themselves (no copy), so writes into them reach the model.
 

@@ -17,7 +17,7 @@ as FP8 e4m3 bytes plus fp32 scales ``X.weight_scale_inv``, every other tensor in
 
 :meth:`Fp8Mirror.stage` turns a step's merged BF16 changes into engine changes: kept tensors pass
 through; an FP8 weight's come from :meth:`nemo_dcr.quant.Fp8Plan.weight_delta` given the engine-format
-mirror's bits (the delta, or above :data:`nemo_dcr.quant.plan.REQUANTIZE_FRACTION` of its elements
+mirror's bits (the delta, or above :data:`nemo_dcr.quant.fp8_plan.REQUANTIZE_FRACTION` of its elements
 changed, re-quantizing it whole and comparing with the mirror).  Both equal quantizing the whole new
 target (the tests check the engine against an independent quantizer).  The three parts are staged
 together and move only when the engine acknowledged; a refused version leaves them as they were,
