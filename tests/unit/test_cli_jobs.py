@@ -93,3 +93,31 @@ def test_timeout_stops_torchrun_and_every_rank(tmp_path, monkeypatch, capsys, co
     ranks = [int(p) for p in pids.read_text().split()]
     assert len(ranks) == 2 and not any(_alive(p) for p in ranks)
     assert time.monotonic() - t0 < 60
+
+
+def test_a_failed_demo_names_the_ranks_errors_once(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text("[rank1]: Traceback (most recent call last):\n"
+                   "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:53646.\n"
+                   "[rank2]: RuntimeError: Connection closed by peer [127.0.0.1]:9905.\n"
+                   "[rank0]: nemo_dcr.transport.errors.TransportError: engine 6 lost\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    assert demo.rank_errors(log) == ["rank 1: RuntimeError: Connection closed by peer [127.0.0.1]:53646.",
+                                     "rank 0: nemo_dcr.transport.errors.TransportError: engine 6 lost"]
+
+
+def test_the_engine_process_says_how_it_died():
+    import multiprocessing as mp
+    import signal
+
+    from nemo_dcr.tools.demo.engine_process import EngineProcess
+
+    handle = EngineProcess.__new__(EngineProcess)
+    handle.log = "runs/x/engine.log"
+    handle.proc = mp.get_context("spawn").Process(target=time.sleep, args=(60,))
+    handle.proc.start()
+    assert handle.died() is None
+    handle.proc.kill()
+    handle.proc.join()
+    assert handle.died() == ("the engine process was killed by SIGKILL: often the kernel's out-of-memory killer "
+                             "(see dmesg) (its output: runs/x/engine.log)")

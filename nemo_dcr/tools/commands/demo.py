@@ -107,11 +107,26 @@ def run(args: argparse.Namespace) -> int:
     return _finish(run_dir, summary)
 
 
+def rank_errors(log: Path, most: int = 4) -> list[str]:
+    """The distinct exception lines the ranks printed (``[rankN]: SomeError: ...``), first seen first."""
+    import re
+
+    seen: dict[str, str] = {}
+    for line in open(log, errors="replace"):
+        m = re.match(r"\[rank(\d+)\]: ((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b.*)", line.rstrip())
+        key = re.sub(r"\d+", "N", m.group(2)) if m else None  # the same error from another port or pid
+        if key and key not in seen:
+            seen[key] = f"rank {m.group(1)}: {m.group(2)}"
+    return list(seen.values())[:most]
+
+
 def _failed(code: int, log: Path | None, run_dir: Path) -> None:
     """Say that the job failed, with the last lines of its log and where the logs are."""
     print(f"nemo-dcr demo: the ranks failed (exit {code})", file=sys.stderr)
     if log is not None:
-        print(f"last lines of {log}:\n{tail(log)}", file=sys.stderr, end="")
+        errors = rank_errors(log)
+        print(f"the ranks' errors (from {log}):\n" + "".join(f"  {e}\n" for e in errors) if errors
+              else f"last lines of {log}:\n{tail(log)}", file=sys.stderr, end="")
         engine_log = run_dir / "engine.log"
         if engine_log.is_file():
             print(f"the engine's output: {engine_log}", file=sys.stderr)

@@ -155,6 +155,20 @@ class EngineProcess:
             raise RuntimeError(f"the engine process failed: {arg}{self._see_log()}")
         return arg
 
+    def died(self) -> str | None:
+        """Why the engine process is gone (None while it runs): its exit code, or the signal that
+        killed it."""
+        if self.proc.is_alive():
+            return None
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            import signal
+
+            name = signal.Signals(-code).name
+            hint = ": often the kernel's out-of-memory killer (see dmesg)" if -code == signal.SIGKILL else ""
+            return f"the engine process was killed by {name}{hint}{self._see_log()}"
+        return f"the engine process exited with code {code}{self._see_log()}"
+
     def _see_log(self) -> str:
         return f" (its output: {self.log})" if self.log else ""
 

@@ -57,6 +57,10 @@ class ColocatedEngine:
     def wait_ready(self) -> dict[str, float]:
         return self.startup
 
+    def died(self) -> str | None:
+        """Never: the engine lives in this process."""
+        return None
+
     def rollout(self):
         from nemo_dcr.tools.demo.rollout import rollout
 
@@ -91,6 +95,10 @@ class SeparateEngine:
 
     def wait_ready(self) -> dict[str, float]:
         return self.proc.wait_ready()
+
+    def died(self) -> str | None:
+        """Why the engine process is gone (None while it runs)."""
+        return self.proc.died()
 
     def rollout(self):
         return self.proc.rollout()

@@ -146,6 +146,23 @@ def _start(cfg, starter: int, rl_cfg, say: Progress):
     return trainer, refit, handle, link, init
 
 
+def _steps(cfg, trainer, refit, handle, link, starter, telemetry, steps: list[dict], say, loop0: float) -> None:
+    """The GRPO steps: train, delta refit, and (every ``dense_compare_interval``) the dense refit."""
+    is_starter = dist.get_rank() == starter
+    for step in range(1, cfg.run.steps + 1):
+        batch, loss, report = train_step(trainer, refit, handle, starter)
+        every = cfg.run.dense_compare_interval
+        dense_s, same, parts = dense_refit(link, handle, starter, report.version) \
+            if every and step % every == 0 else (None, None, {})
+        if is_starter:
+            rec = step_record(step, report, reward=batch.reward_mean, shaped_reward=batch.shaped_reward_mean,
+                              loss=loss, rollout_version=batch.version, bit_exact=same, dense_refit_s=dense_s)
+            telemetry.write(rec)
+            steps.append(dict(rec, encoding=cfg.dcr.encoding, dense_parts=parts))
+            per_step = (time.perf_counter() - loop0) / step
+            say(step_line(steps[-1], cfg.run.steps, eta(step, cfg.run.steps, per_step)))
+
+
 def run(cfg, start: float) -> dict | None:
     """The whole recipe; returns the summary on the engine's rank (None elsewhere)."""
     dist.init_process_group("gloo")
@@ -165,18 +182,12 @@ def run(cfg, start: float) -> dict | None:
     telemetry = TelemetryWriter(cfg.dcr.telemetry_dir or cfg.run.run_dir) if is_starter else None
     torch.manual_seed(t.seed)
     steps, loop0 = [], time.perf_counter()
-    for step in range(1, cfg.run.steps + 1):
-        batch, loss, report = train_step(trainer, refit, handle, starter)
-        every = cfg.run.dense_compare_interval
-        dense_s, same, parts = dense_refit(link, handle, starter, report.version) \
-            if every and step % every == 0 else (None, None, {})
-        if is_starter:
-            rec = step_record(step, report, reward=batch.reward_mean, shaped_reward=batch.shaped_reward_mean,
-                              loss=loss, rollout_version=batch.version, bit_exact=same, dense_refit_s=dense_s)
-            telemetry.write(rec)
-            steps.append(dict(rec, encoding=cfg.dcr.encoding, dense_parts=parts))
-            per_step = (time.perf_counter() - loop0) / step
-            say(step_line(steps[-1], cfg.run.steps, eta(step, cfg.run.steps, per_step)))
+    try:
+        _steps(cfg, trainer, refit, handle, link, starter, telemetry, steps, say, loop0)
+    except BaseException:
+        if is_starter and handle.died():
+            say(handle.died())
+        raise
     if is_starter:
         handle.stop_server(refit.wiring.transport)
     refit.close()
