@@ -1,33 +1,28 @@
 """Policy side of the NeMo-RL plugin: one policy worker of the refit's trainer group.
 
-Where the refit reads the weights from is decided at the first sync of a session, by every
-policy worker alike (one agreement collective):
+Every policy worker drains NeMo-RL's export (Megatron Bridge yields the full HF tensors on every
+rank, by collectives, so every rank must iterate it to the end) and keeps a CPU copy of only the
+canonical tensors it *owns* (:func:`nemo_dcr.refit.routing.assign_owners`, the owners the refit
+itself uses, so routing moves nothing between ranks).  Those copies are a
+:class:`~nemo_dcr.refit.canonical.CanonicalSource` for a :class:`~nemo_dcr.refit.DeltaRefit`
+whose trainer group runs over the store transport (:class:`~nemo_dcr.refit.group.TransportGroup`):
+each ``send_weights`` is one ``attach()`` (first sync of a session: the engines' checksums decide
+what to send; vLLM starts from dummy weights, so everything) or one ``step()``.
 
-* **shards** (a Megatron policy worker, :func:`.shards.policy_shards`): the one refit path's
-  capture / remap / encode runs on the worker's own megatron-core shards; NeMo-RL's export
-  iterator is never started, so Megatron-Bridge's export and its gathers do not run.
-* **export** (anything else, said once in the log with the reason): every worker drains
-  NeMo-RL's export (full HF tensors on every rank, by collectives, so every rank iterates it to
-  the end) and keeps a CPU copy of only the canonical tensors it *owns*
-  (:func:`nemo_dcr.refit.routing.assign_owners`, the owners the refit uses, so routing moves
-  nothing), a :class:`~nemo_dcr.refit.canonical.CanonicalSource`.
-
-Either source feeds one :class:`~nemo_dcr.refit.DeltaRefit` whose trainer group runs over the
-store transport (:class:`~nemo_dcr.refit.group.TransportGroup`): each ``send_weights`` is one
-``attach()`` (first sync of a session: the engines' checksums decide what to send; vLLM starts
-from dummy weights, so everything) or one ``step()``.  A failure anywhere in that attempt (an
-exception on any policy or rollout worker, a refit that did not commit) ends it for every party
+A failure anywhere in that attempt after the export was drained (an exception on any policy or
+rollout worker, a refit that did not commit) ends it for every party
 (:class:`~.session.SyncAborted`) and the sync resyncs at once through the same path (a fresh
-``attach()``: checksums decide what to send); only when that fails too does ``send_weights``
-raise, naming the rank and cause of both.  Policy rank 0 then tells every rollout worker that
-the sync is over (an ``END`` with a successful :class:`~.session.SyncOutcome`).
+``attach()`` from the owned copies: checksums decide what to send); only when that fails too,
+or when the export itself was bad (it is read once), does ``send_weights`` raise, naming the
+rank and cause of each attempt.  Policy rank 0 then tells every rollout worker that the sync is
+over (an ``END`` with a successful :class:`~.session.SyncOutcome`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 
@@ -35,14 +30,12 @@ from nemo_dcr.refit import DeltaRefit, RefitReport, engine_wiring
 from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import TransportGroup
 from nemo_dcr.refit.routing import assign_owners
-from nemo_dcr.refit.source import TrainerSource
 from nemo_dcr.telemetry import Phase, PhaseClock
 from nemo_dcr.types import DTYPES
 
 from .options import PluginOptions
 from .session import ATTEMPTS, SyncAborted, SyncOutcome, SyncTransport, Topology, remove_other_sessions, remove_stale
-from .shards import policy_shards
-from .sync_log import log_once, log_sync
+from .sync_log import log_sync, log_unloaded
 
 
 def _numel(shape) -> int:
@@ -61,60 +54,30 @@ class PolicySide:
         rank: this worker's rank (refit-group rank).
         topo: the session.
         held: CPU tensors of an earlier session of this worker (reused when the owners agree).
-        engine: the checkpoint engine this side belongs to (how the Megatron policy worker hosting
-            it is found, :func:`.shards.policy_shards`; None: always the export).
     """
 
     def __init__(self, options: PluginOptions, key: bytes, rank: int, topo: Topology,
-                 held: Mapping[str, torch.Tensor] | None = None, engine: Any = None):
+                 held: Mapping[str, torch.Tensor] | None = None):
         self.options, self.key, self.rank, self.topo = options, key, rank, topo
         owners = assign_owners({n: _numel(s) for n, (_, s) in topo.table.items()}, topo.train_world)
         self.owned = sorted(n for n, r in owners.items() if r == rank)
-        self._earlier = dict(held or {})
-        self.held: dict[str, torch.Tensor] = {}
-        self.engine = engine
+        held = dict(held or {})
+        self.held = {n: held[n] if n in held and self._fits(n, held[n]) else self._empty(n) for n in self.owned}
         self.transport = SyncTransport(topo.folder, rank, key, topo.session, abort_on_end=True)
         self.group = TransportGroup(self.transport, range(topo.train_world), options.dcr.reply_timeout_s)
         self.refit: DeltaRefit | None = None
-        self.source: TrainerSource | None = None
-        self.capture_from: str | None = None
         self._drained = False
         self.syncs = 0
         self.last: RefitReport | None = None
         self.recovered: list[str] = []
         if rank == 0:
             remove_other_sessions(options.dcr.url, topo.session)
+            log_unloaded(topo.session, topo.unloaded)
 
     @property
     def parties(self) -> list[int]:
         """Every other refit-group rank (policy and rollout)."""
         return [r for r in range(self.topo.train_world + self.topo.rollout_world) if r != self.rank]
-
-    # -- where the weights come from ----------------------------------------------------------
-
-    def _choose_source(self) -> None:
-        """Shards on every worker, or the export on every worker (collective; logged once)."""
-        found = policy_shards(self.engine, self.topo.table) if self.engine is not None else None
-        if found is None:
-            detail = "no checkpoint engine owner given"
-        else:
-            detail = found.detail
-        if self.group.all_true(found is not None and found.source is not None):
-            self.source, self.capture_from = found.source, "shards"
-            log_once(("capture", self.topo.session, self.rank == 0),
-                     f"capture from the policy's own Megatron shards, NeMo-RL's export is not run ({detail})",
-                     self.rank == 0)
-            return
-        self.capture_from = "export"
-        log_once(("capture", "export", detail), f"policy rank {self.rank}: capture from NeMo-RL's export, "
-                                                f"copying owned tensors ({detail})", True)
-
-    def _held_tensors(self) -> dict[str, torch.Tensor]:
-        if not self.held:
-            self.held = {n: self._earlier[n] if n in self._earlier and self._fits(n, self._earlier[n]) else self._empty(n)
-                         for n in self.owned}
-            self._earlier = {}
-        return self.held
 
     def _empty(self, name: str) -> torch.Tensor:
         dtype, shape = self.topo.table[name]
@@ -131,7 +94,7 @@ class PolicySide:
             ValueError: after the export ended, naming tensors missing from, unknown to or
                 disagreeing with the canonical table.
         """
-        held = self._held_tensors()
+        held = self.held
         self._drained = False
         seen, problems = set(), []
         for name, t in weights:
@@ -158,8 +121,7 @@ class PolicySide:
     def _refit_once(self) -> RefitReport:
         if self.refit is None:
             cfg = self.options.session_config(self.topo.folder)
-            source = self.source if self.capture_from == "shards" else CanonicalSource(
-                self._held_tensors(), canonical=self.topo.table)
+            source = CanonicalSource(self.held, canonical=self.topo.table)
             wiring = engine_wiring(self.transport, range(self.topo.train_world),
                                    range(self.topo.train_world, self.topo.train_world + self.topo.rollout_world),
                                    self.group)
@@ -171,9 +133,7 @@ class PolicySide:
         return self.refit.step()
 
     def _attempt(self, weights: Iterable[tuple[str, torch.Tensor]] | None, clock: PhaseClock) -> RefitReport:
-        if self.capture_from is None:
-            self._choose_source()
-        if self.capture_from == "export" and weights is not None:
+        if weights is not None:
             with clock(Phase.EXPORT):
                 self.drain(weights)
         report = self._refit_once()
@@ -182,8 +142,7 @@ class PolicySide:
         return replace(report, times={**clock.seconds, **report.times})
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> RefitReport:
-        """One sync (see the module docstring); NeMo-RL's export ``weights`` is iterated only on
-        the export path.
+        """One sync (see the module docstring); NeMo-RL's export ``weights`` is drained once.
 
         Raises:
             RuntimeError: the sync and its resync both failed (names the rank and cause of each);
@@ -204,7 +163,7 @@ class PolicySide:
             except SyncAborted as exc:
                 outcome = exc.outcome
             except Exception as exc:  # noqa: BLE001 - any failure ends the attempt for every party
-                retry = attempt + 1 < ATTEMPTS and (self.capture_from == "shards" or self._drained)
+                retry = attempt + 1 < ATTEMPTS and self._drained
                 outcome = SyncOutcome(self.syncs, attempt, False, not retry, self.rank,
                                       f"{type(exc).__name__}: {str(exc)[:800]}")
                 self.transport.end(self.parties, outcome)

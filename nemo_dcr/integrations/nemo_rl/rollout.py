@@ -164,7 +164,8 @@ class RolloutSide:
             except Exception as exc:  # noqa: BLE001 - ends the attempt for every party
                 outcome = SyncOutcome(sync, attempt, False, attempt + 1 == ATTEMPTS, self.rank,
                                       f"{type(exc).__name__}: {str(exc)[:800]}")
-                self.transport.end(range(self.topo.train_world), outcome)
+                everyone = range(self.topo.train_world + self.topo.rollout_world)
+                self.transport.end([r for r in everyone if r != self.rank], outcome)
                 return outcome, -1, bad
 
     def _next(self, sync: int, server: EngineServer):

@@ -32,12 +32,21 @@ def log_once(key: Any, message: str, show: bool = True) -> bool:
     return show
 
 
+def log_unloaded(session: str, names) -> None:
+    """Say once per session which exported tensors no vLLM worker loads (skipped as vLLM skips them)."""
+    names = sorted(names)
+    if names:
+        log_once(("unloaded", session), f"{len(names)} exported tensor(s) no vLLM worker's load_weights loads are "
+                                        f"skipped, as vLLM skips them: {names[:20]}"
+                                        + (f" and {len(names) - 20} more" if len(names) > 20 else ""))
+
+
 def log_sync(side, r, seconds: float) -> None:
     """One ``[nemo-dcr refit]`` line on stdout and one JSON line in ``<telemetry_dir>/telemetry.jsonl``
     for the sync ``side`` (a :class:`~.policy.PolicySide`) just finished with report ``r``."""
     ratio = r.dense_bytes / r.payload_bytes if r.payload_bytes else float("inf")
     recovered = f"; recovered from: {'; '.join(side.recovered)[:300]}" if side.recovered else ""
-    print(f"[nemo-dcr refit] sync {side.syncs} {r.mode} -> v{r.version} ({side.capture_from}): changed "
+    print(f"[nemo-dcr refit] sync {side.syncs} {r.mode} -> v{r.version}: changed "
           f"{r.changed}/{r.numel} ({100 * r.density:.3f}%), payload {r.payload_bytes / 2**20:.3f} MiB vs dense "
           f"{r.dense_bytes / 2**20:.1f} MiB (x{ratio:.1f}), verified={r.verified}, resynced={r.resynced}, "
           f"{seconds:.2f}s" + (f"; handled: {'; '.join(r.detected)[:300]}" if r.detected else "") + recovered,
@@ -46,7 +55,7 @@ def log_sync(side, r, seconds: float) -> None:
     if not folder:
         return
     row = step_record(side.syncs, r, session=side.topo.session, sync_s=seconds, time=time.time(),
-                      capture_from=side.capture_from, recovered=list(side.recovered))
+                      recovered=list(side.recovered))
     try:
         TelemetryWriter(folder, fresh=False).write(row)
     except (OSError, ValueError, NotImplementedError) as exc:
