@@ -288,14 +288,34 @@ def test_a_sync_whose_resync_fails_too_raises_naming_both(refit_cfg, monkeypatch
     assert policy[0].checkpoint_engine.policy.last.mode == "attach" and mismatches(state, engines) == []
 
 
-def test_skipped_names_are_logged_once_with_a_count(refit_cfg, capsys):
+def test_skipped_names_are_logged_once_and_metrics_reach_a_nemo_rl_logger(refit_cfg, tmp_path, capsys):
+    from nemo_dcr.integrations.nemo_rl.sync_log import log_latest
+
+    class Logger:  # NeMo-RL's Logger.log_metrics(metrics, step, prefix=...)
+        def __init__(self):
+            self.calls = []
+
+        def log_metrics(self, metrics, step, prefix=""):
+            self.calls.append((dict(metrics), step, prefix))
+
     state = initial_state(D)
-    sync = Synchronizer(policy_workers(state), vllm_engines(D, 1, TP), SELECTOR, refit_cfg)
-    sync.sync_weights()
-    sync.sync_weights()
+    policy = policy_workers(state)
+    sync = Synchronizer(policy, vllm_engines(D, 1, TP), SELECTOR, refit_cfg)
+    logger = Logger()
+    assert log_latest(logger, str(tmp_path / "refit"), 0) is None and not logger.calls  # no sync yet
+    for step in range(2):
+        if step:
+            step_all(state, policy, step)
+        sync.sync_weights()
+        log_latest(logger, str(tmp_path / "refit"), step)
     out = capsys.readouterr().out
     assert out.count("1 exported tensor(s) no vLLM worker's load_weights loads are skipped") == 1
     assert SKIPPED in out
+    r = policy[0].checkpoint_engine.policy.last
+    (first, s0, prefix), (m, s1, _) = logger.calls
+    assert (s0, s1, prefix) == (0, 1, "nemo_dcr") and all(isinstance(v, float) for v in m.values())
+    assert m["payload_bytes"] == r.payload_bytes and m["density"] == r.density and m["bit_exact"] == 1.0
+    assert m["time/export"] > 0 and m["sync_s"] >= m["time/total"] and first["resynced"] == 1.0
 
 
 def test_rollout_waits_with_a_bounded_clear_timeout(refit_cfg):
