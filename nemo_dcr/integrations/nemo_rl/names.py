@@ -7,7 +7,7 @@ policy stream, renames Gemma-3 vision-tower weights, and post-processes FP8 KV-c
 only, so each of these would be left stale or half-applied; they are refused before the first
 sync, naming what was found and where.  Exported names that no vLLM worker's loader places (a
 tied ``lm_head``, ``rotary_emb.inv_freq``) are skipped as vLLM skips them and listed once in
-the log (:func:`~.sync_log.log_once`).
+the log by policy rank 0 (:func:`~.sync_log.log_unloaded`).
 """
 
 from __future__ import annotations

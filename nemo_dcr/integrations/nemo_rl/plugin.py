@@ -15,6 +15,11 @@ vLLM worker **at the same time** (one ``ray.get``).  NeMo-RL is never imported: 
 * Policy (:class:`~.policy.PolicySide`): drain the export keeping only owned tensors, one
   :class:`~nemo_dcr.refit.DeltaRefit` ``attach()`` / ``step()`` per sync, then END to every engine
   rank.  The sender commits only after every engine rank acknowledged (the refit protocol).
+  A failure anywhere inside a sync is resynced within the same ``send_weights`` (NeMo-RL does
+  not catch ``sync_weights`` errors); only a failed resync raises, naming the rank and cause.
+* Startup refusals (``prepare()``): a NeMo-RL without the checkpoint-engine seam
+  (:mod:`.guard`) and weights NeMo-RL refits through other paths (:mod:`.names`); the driver
+  (:mod:`.driver`) checks the seam and the settings when the config is loaded.
 * Rollout (:class:`~.rollout.RolloutSide`): serve the protocol with an in-place engine over the
   vLLM worker's live params until END; ``receive_weight_batches`` yields **nothing**, so NeMo-RL's
   ``load_weights`` loads nothing and no vLLM worker keeps a copy of the model.
