@@ -16,9 +16,9 @@ them back (``nemo-dcr report``, ``nemo-dcr plan --densities``).  Row schema (``s
 
 Every row has the keys of :data:`REQUIRED`; the keys of :data:`OPTIONAL` are present where the
 producer measures them (the demo: ``reward`` ... ``dense_refit_s``; the NeMo-RL plugin:
-``session``, ``sync_s``, ``time``); no other key is written.  ``step`` is the training step (the
-plugin: the sync's number in its session).  ``times`` are the reporting trainer rank's seconds,
-keyed by :class:`nemo_dcr.telemetry.phases.Phase` values plus the totals ``total`` and
+``session``, ``sync_s``, ``time``, ``recovered``); no other key is written.  ``step`` is the
+training step (the plugin: the sync's number in its session).  ``times`` are the reporting
+trainer rank's seconds, keyed by :class:`nemo_dcr.telemetry.phases.Phase` values plus the totals ``total`` and
 ``total_slowest_rank`` (see :mod:`.phases` for which phases make up ``total``).
 ``engine_format`` holds the counts of an FP8 engine (:attr:`nemo_dcr.refit.RefitReport.engine_format`;
 empty for a BF16 engine) and ``fp8_density`` its changed FP8 bytes over FP8 elements (null for
@@ -50,6 +50,7 @@ OPTIONAL = {
     "session": "NeMo-RL plugin: the session the sync belongs to (a restarted worker starts a new one)",
     "sync_s": "NeMo-RL plugin: wall seconds of the whole sync on policy rank 0 (export, refit, END)",
     "time": "NeMo-RL plugin: Unix time the row was written",
+    "recovered": "NeMo-RL plugin: failures of the sync's first attempt that its resync recovered from",
 }
 """Keys a producer may add (name -> meaning); :func:`step_record` refuses any other."""
 

@@ -205,13 +205,117 @@ def test_a_failed_sync_fails_on_both_sides_and_the_next_one_recovers(refit_cfg):
     step_all(state, policy, 1)
     for p in policy:
         p.state["model.norm.weight"] = p.state["model.norm.weight"][:4].clone()  # a broken export
-    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
-        sync.sync_weights()
+    with pytest.raises(RuntimeError, match=r"policy rank 0: ValueError: .*model\.norm\.weight.*no resync was possible"):
+        sync.sync_weights()  # a bad export is read once: no resync, the sync fails naming the rank and cause
     assert sync.is_stale
     for p in policy:
         p.state["model.norm.weight"] = state["model.norm.weight"].clone()
     sync.sync_weights()
     assert mismatches(state, engines) == []
+
+
+def _fail_once(monkeypatch, cls, method, when):
+    """Make ``cls.method`` raise once, the first time ``when(self, *args)`` holds."""
+    failed, real = [], getattr(cls, method)
+
+    def flaky(self, *args, **kwargs):
+        if not failed and when(self, *args):
+            failed.append(True)
+            raise OSError("injected failure inside the sync")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, method, flaky)
+    return failed
+
+
+@pytest.mark.parametrize("where", ["policy", "rollout"])
+def test_a_failure_inside_the_sync_is_resynced_within_the_same_sync(refit_cfg, tmp_path, monkeypatch, where):
+    """A policy worker failing after the export was drained, or a vLLM worker failing while it
+    applies a payload: every party leaves that attempt and the same ``sync_weights`` resyncs
+    through the same path (a fresh attach from the owned copies); nothing is raised to NeMo-RL."""
+    from nemo_dcr.integrations.nemo_rl.policy import PolicySide
+    from nemo_dcr.refit.server import EngineServer
+
+    state = initial_state(D)
+    policy, engines = policy_workers(state), vllm_engines(D, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    sync.sync_weights()
+    step_all(state, policy, 1)
+    if where == "policy":  # policy rank 1, after its drain, in the refit's step
+        failed = _fail_once(monkeypatch, PolicySide, "_refit_once", lambda self: self.rank == 1)
+        who = "policy rank 1"
+    else:  # vLLM worker tp1, on the first payload part it is handed
+        failed = _fail_once(monkeypatch, EngineServer, "handle",
+                            lambda self, env: env.kind == MessageKind.DELTA and self.transport.rank == POLICY + 1)
+        who = "rollout rank 1"
+    sync.sync_weights()
+    assert failed and not sync.is_stale and mismatches(state, engines) == []
+    r = policy[0].checkpoint_engine.policy
+    assert r.last.mode == "attach" and r.last.committed and r.last.verified
+    assert len(r.recovered) == 1 and r.recovered[0].startswith(f"{who}: OSError: injected failure"), r.recovered
+    assert all(w.checkpoint_engine.rollout.last["attempt"] == 1 for w in engines[0])
+    assert all(w.checkpoint_engine.rollout.last["recovered"] == r.recovered for w in engines[0])
+    row = read_steps(tmp_path / "refit")[-1]
+    assert row["recovered"] == r.recovered and row["committed"]
+    step_all(state, policy, 2)
+    sync.sync_weights()  # the next sync is a delta again
+    assert r.last.mode == "delta" and not r.recovered and mismatches(state, engines) == []
+
+
+def test_a_sync_whose_resync_fails_too_raises_naming_both(refit_cfg, monkeypatch):
+    from nemo_dcr.integrations.nemo_rl.policy import PolicySide
+
+    state = initial_state(D)
+    policy, engines = policy_workers(state), vllm_engines(D, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    sync.sync_weights()
+    step_all(state, policy, 1)
+    real = PolicySide._refit_once
+
+    def broken(self):
+        if self.rank == 1:
+            raise OSError(f"injected failure {self.transport.attempt}")
+        return real(self)
+
+    monkeypatch.setattr(PolicySide, "_refit_once", broken)
+    with pytest.raises(RuntimeError, match=r"attempt 1 ended by policy rank 1: OSError: injected failure 0; "
+                                           r"attempt 2 ended by policy rank 1: OSError: injected failure 1; "
+                                           r"its resync failed too"):
+        sync.sync_weights()
+    assert sync.is_stale
+    monkeypatch.setattr(PolicySide, "_refit_once", real)
+    sync.sync_weights()  # the next sync re-attaches
+    assert policy[0].checkpoint_engine.policy.last.mode == "attach" and mismatches(state, engines) == []
+
+
+def test_skipped_names_are_logged_once_and_metrics_reach_a_nemo_rl_logger(refit_cfg, tmp_path, capsys):
+    from nemo_dcr.integrations.nemo_rl.sync_log import log_latest
+
+    class Logger:  # NeMo-RL's Logger.log_metrics(metrics, step, prefix=...)
+        def __init__(self):
+            self.calls = []
+
+        def log_metrics(self, metrics, step, prefix=""):
+            self.calls.append((dict(metrics), step, prefix))
+
+    state = initial_state(D)
+    policy = policy_workers(state)
+    sync = Synchronizer(policy, vllm_engines(D, 1, TP), SELECTOR, refit_cfg)
+    logger = Logger()
+    assert log_latest(logger, str(tmp_path / "refit"), 0) is None and not logger.calls  # no sync yet
+    for step in range(2):
+        if step:
+            step_all(state, policy, step)
+        sync.sync_weights()
+        log_latest(logger, str(tmp_path / "refit"), step)
+    out = capsys.readouterr().out
+    assert out.count("1 exported tensor(s) no vLLM worker's load_weights loads are skipped") == 1
+    assert SKIPPED in out
+    r = policy[0].checkpoint_engine.policy.last
+    (first, s0, prefix), (m, s1, _) = logger.calls
+    assert (s0, s1, prefix) == (0, 1, "nemo_dcr") and all(isinstance(v, float) for v in m.values())
+    assert m["payload_bytes"] == r.payload_bytes and m["density"] == r.density and m["bit_exact"] == 1.0
+    assert m["time/export"] > 0 and m["sync_s"] >= m["time/total"] and first["resynced"] == 1.0
 
 
 def test_rollout_waits_with_a_bounded_clear_timeout(refit_cfg):

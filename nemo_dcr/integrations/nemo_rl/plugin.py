@@ -15,6 +15,11 @@ vLLM worker **at the same time** (one ``ray.get``).  NeMo-RL is never imported: 
 * Policy (:class:`~.policy.PolicySide`): drain the export keeping only owned tensors, one
   :class:`~nemo_dcr.refit.DeltaRefit` ``attach()`` / ``step()`` per sync, then END to every engine
   rank.  The sender commits only after every engine rank acknowledged (the refit protocol).
+  A failure anywhere inside a sync is resynced within the same ``send_weights`` (NeMo-RL does
+  not catch ``sync_weights`` errors); only a failed resync raises, naming the rank and cause.
+* Startup refusals (``prepare()``): a NeMo-RL without the checkpoint-engine seam
+  (:mod:`.guard`) and weights NeMo-RL refits through other paths (:mod:`.names`); the driver
+  (:mod:`.driver`) checks the seam and the settings when the config is loaded.
 * Rollout (:class:`~.rollout.RolloutSide`): serve the protocol with an in-place engine over the
   vLLM worker's live params until END; ``receive_weight_batches`` yields **nothing**, so NeMo-RL's
   ``load_weights`` loads nothing and no vLLM worker keeps a copy of the model.
@@ -33,6 +38,8 @@ from nemo_dcr.apply import TensorEngine
 from nemo_dcr.apply.placement import placement_to_json
 from nemo_dcr.codec.auth import read_key_file
 
+from .guard import check_seam
+from .names import refuse_unsupported
 from .options import PluginOptions
 from .policy import PolicySide
 from .rollout import RolloutSide, build_engine, find_owner, probe_worker
@@ -75,11 +82,19 @@ class DcrCheckpointEngine:
 
     def prepare(self) -> dict:
         """Metadata for every engine: a nonce; in a vLLM worker also the canonical table and this
-        worker's placement, probed once per engine with vLLM's own loaders."""
+        worker's placement, probed once per engine with vLLM's own loaders.
+
+        Raises:
+            SeamError: the importable NeMo-RL has no checkpoint-engine seam (:mod:`.guard`).
+            UnsupportedWeights: weights NeMo-RL refits through another path (drafter, MTP, FP8
+                KV-cache scales, Gemma-3 vision tower; :mod:`.names`), named.
+        """
+        check_seam(required=False)  # a worker environment may hold another NeMo-RL than the driver's
         owner = self._worker or find_owner(self)
         if owner is None or not hasattr(owner, "model_runner"):
             return policy_metadata(self.nonce)
         if self._probe is None:
+            refuse_unsupported(getattr(owner, "state_dict_info", None) or {}, owner)
             self._worker, self._probe = owner, probe_worker(owner)
         placement, table, _ = self._probe
         return rollout_metadata(self.nonce, table, placement_to_json(placement))

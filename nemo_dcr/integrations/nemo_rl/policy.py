@@ -7,13 +7,19 @@ itself uses, so routing moves nothing between ranks).  Those copies are a
 :class:`~nemo_dcr.refit.canonical.CanonicalSource` for a :class:`~nemo_dcr.refit.DeltaRefit`
 whose trainer group runs over the store transport (:class:`~nemo_dcr.refit.group.TransportGroup`):
 each ``send_weights`` is one ``attach()`` (first sync of a session: the engines' checksums decide
-what to send; vLLM starts from dummy weights, so everything) or one ``step()``, then policy rank 0
-tells every rollout worker that the sync is over (an ``END`` message with the outcome).
+what to send; vLLM starts from dummy weights, so everything) or one ``step()``.
+
+A failure anywhere in that attempt after the export was drained (an exception on any policy or
+rollout worker, a refit that did not commit) ends it for every party
+(:class:`~.session.SyncAborted`) and the sync resyncs at once through the same path (a fresh
+``attach()`` from the owned copies: checksums decide what to send); only when that fails too,
+or when the export itself was bad (it is read once), does ``send_weights`` raise, naming the
+rank and cause of each attempt.  Policy rank 0 then tells every rollout worker that the sync is
+over (an ``END`` with a successful :class:`~.session.SyncOutcome`).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from typing import Iterable, Mapping
@@ -24,12 +30,12 @@ from nemo_dcr.refit import DeltaRefit, RefitReport, engine_wiring
 from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import TransportGroup
 from nemo_dcr.refit.routing import assign_owners
-from nemo_dcr.telemetry import Phase, PhaseClock, TelemetryWriter, step_record
-from nemo_dcr.transport import Envelope, MessageKind
+from nemo_dcr.telemetry import Phase, PhaseClock
 from nemo_dcr.types import DTYPES
 
 from .options import PluginOptions
-from .session import SyncTransport, Topology, remove_other_sessions, remove_stale
+from .session import ATTEMPTS, SyncAborted, SyncOutcome, SyncTransport, Topology, remove_other_sessions, remove_stale
+from .sync_log import log_sync, log_unloaded
 
 
 def _numel(shape) -> int:
@@ -57,13 +63,21 @@ class PolicySide:
         self.owned = sorted(n for n, r in owners.items() if r == rank)
         held = dict(held or {})
         self.held = {n: held[n] if n in held and self._fits(n, held[n]) else self._empty(n) for n in self.owned}
-        self.transport = SyncTransport(topo.folder, rank, key, topo.session)
+        self.transport = SyncTransport(topo.folder, rank, key, topo.session, abort_on_end=True)
         self.group = TransportGroup(self.transport, range(topo.train_world), options.dcr.reply_timeout_s)
         self.refit: DeltaRefit | None = None
+        self._drained = False
         self.syncs = 0
         self.last: RefitReport | None = None
+        self.recovered: list[str] = []
         if rank == 0:
             remove_other_sessions(options.dcr.url, topo.session)
+            log_unloaded(topo.session, topo.unloaded)
+
+    @property
+    def parties(self) -> list[int]:
+        """Every other refit-group rank (policy and rollout)."""
+        return [r for r in range(self.topo.train_world + self.topo.rollout_world) if r != self.rank]
 
     def _empty(self, name: str) -> torch.Tensor:
         dtype, shape = self.topo.table[name]
@@ -78,8 +92,10 @@ class PolicySide:
 
         Raises:
             ValueError: after the export ended, naming tensors missing from, unknown to or
-                disagreeing with the canonical table (FP8 KV-cache scales are not carried).
+                disagreeing with the canonical table.
         """
+        held = self.held
+        self._drained = False
         seen, problems = set(), []
         for name, t in weights:
             if name in self.topo.unloaded:  # vLLM's load_weights skips it: so does the refit
@@ -90,14 +106,17 @@ class PolicySide:
                 problems.append(f"{name} ({why})")
                 continue
             seen.add(name)
-            if name in self.held:
-                self.held[name].copy_(t.detach())
+            if name in held:
+                held[name].copy_(t.detach())
         missing = sorted(set(self.topo.table) - seen)
         problems += [f"{n} (not exported)" for n in missing[:5]]
         if problems:
             raise ValueError(f"policy rank {self.rank}: the export disagrees with the vLLM workers' canonical table "
                              f"({len(problems)} problems): {problems[:8]}")
+        self._drained = True
         return len(seen)
+
+    # -- one sync ------------------------------------------------------------------------------
 
     def _refit_once(self) -> RefitReport:
         if self.refit is None:
@@ -109,65 +128,61 @@ class PolicySide:
             self.refit = DeltaRefit(cfg, source, wiring, key=self.key, model="nemo_rl")
             mine = sorted(n for n, r in self.refit.sender.owners.items() if r == self.rank)
             if mine != self.owned:
-                raise RuntimeError(f"policy rank {self.rank}: DeltaRefit's owners differ from the drain's")
+                raise RuntimeError(f"policy rank {self.rank}: DeltaRefit's owners differ from the session's")
             return self.refit.attach()
         return self.refit.step()
 
+    def _attempt(self, weights: Iterable[tuple[str, torch.Tensor]] | None, clock: PhaseClock) -> RefitReport:
+        if weights is not None:
+            with clock(Phase.EXPORT):
+                self.drain(weights)
+        report = self._refit_once()
+        if not report.committed:
+            raise RuntimeError(f"refit v{report.version} did not commit: {'; '.join(report.detected)[:600]}")
+        return replace(report, times={**clock.seconds, **report.times})
+
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> RefitReport:
-        """One sync (see the module docstring).
+        """One sync (see the module docstring); NeMo-RL's export ``weights`` is drained once.
 
         Raises:
-            RuntimeError: the rollout workers did not all end up holding these weights (after the
-                refit path's own recovery); the next sync re-attaches (checksums decide what to send).
+            RuntimeError: the sync and its resync both failed (names the rank and cause of each);
+                the next sync re-attaches (checksums decide what to send).
         """
         self.syncs += 1
         t0 = time.perf_counter()
-        self.transport.begin(self.syncs)
-        self.group.restart(self.syncs)
         if self.rank == 0:
             remove_stale(self.topo.folder, self.syncs)
-        report, error, clock = None, None, PhaseClock()
-        try:
-            with clock(Phase.EXPORT):
-                self.drain(weights)
-            report = self._refit_once()
-            report = replace(report, times={**clock.seconds, **report.times})
-            if not report.committed:
-                raise RuntimeError(f"refit v{report.version} did not commit: {'; '.join(report.detected)}")
-        except BaseException as exc:
-            error, self.refit = exc, None  # the next sync starts from the engines' checksums
-            raise
-        finally:
-            if self.rank == 0:
-                self._end(report, error)
+        failures: list[SyncOutcome] = []
+        for attempt in range(ATTEMPTS):
+            self.transport.begin(self.syncs, attempt)
+            self.group.restart(self.syncs * ATTEMPTS + attempt)
+            clock = PhaseClock()
+            try:
+                report = self._attempt(weights if attempt == 0 else None, clock)
+                break
+            except SyncAborted as exc:
+                outcome = exc.outcome
+            except Exception as exc:  # noqa: BLE001 - any failure ends the attempt for every party
+                retry = attempt + 1 < ATTEMPTS and self._drained
+                outcome = SyncOutcome(self.syncs, attempt, False, not retry, self.rank,
+                                      f"{type(exc).__name__}: {str(exc)[:800]}")
+                self.transport.end(self.parties, outcome)
+            self.refit = None  # the resync (or the next sync) starts from the engines' checksums
+            failures.append(outcome)
+            if outcome.final or attempt + 1 == ATTEMPTS:
+                raise RuntimeError(self._failed(failures)) from None
+        self.recovered = [f.describe(self.topo.train_world) for f in failures]
+        if self.rank == 0:
+            done = SyncOutcome(self.syncs, attempt, True, True, self.rank)
+            self.transport.end(range(self.topo.train_world, self.topo.train_world + self.topo.rollout_world),
+                               done, report.version)
         self.last = report
         if self.rank == 0:
-            self._log(report, time.perf_counter() - t0)
+            log_sync(self, report, time.perf_counter() - t0)
         return report
 
-    def _end(self, report: RefitReport | None, error: BaseException | None) -> None:
-        """Tell every rollout worker that this sync is over (and how it went)."""
-        ok = error is None and report is not None
-        body = json.dumps({"sync": self.syncs, "ok": ok,
-                           "reason": "" if ok else f"{type(error).__name__}: {str(error)[:800]}"}).encode()
-        version = report.version if report is not None else -1
-        for e in range(self.topo.train_world, self.topo.train_world + self.topo.rollout_world):
-            try:
-                self.transport.send(e, Envelope(MessageKind.END, version, self.rank, body=body))
-            except Exception:  # noqa: BLE001 - the receivers then time out with their own message
-                if error is None:
-                    raise
-
-    def _log(self, r: RefitReport, seconds: float) -> None:
-        """One ``[nemo-dcr refit]`` line on stdout and one JSON line in ``<telemetry_dir>/telemetry.jsonl``."""
-        ratio = r.dense_bytes / r.payload_bytes if r.payload_bytes else float("inf")
-        print(f"[nemo-dcr refit] sync {self.syncs} {r.mode} -> v{r.version}: changed {r.changed}/{r.numel} "
-              f"({100 * r.density:.3f}%), payload {r.payload_bytes / 2**20:.3f} MiB vs dense "
-              f"{r.dense_bytes / 2**20:.1f} MiB (x{ratio:.1f}), verified={r.verified}, resynced={r.resynced}, "
-              f"{seconds:.2f}s" + (f"; handled: {'; '.join(r.detected)[:300]}" if r.detected else ""), flush=True)
-        if self.options.dcr.telemetry_dir:
-            row = step_record(self.syncs, r, session=self.topo.session, sync_s=seconds, time=time.time())
-            try:
-                TelemetryWriter(self.options.dcr.telemetry_dir, fresh=False).write(row)
-            except (OSError, ValueError, NotImplementedError) as exc:
-                print(f"[nemo-dcr refit] telemetry not written under {self.options.dcr.telemetry_dir}: {exc}", flush=True)
+    def _failed(self, failures: list[SyncOutcome]) -> str:
+        what = [f"attempt {f.attempt + 1} ended by {f.describe(self.topo.train_world)}" for f in failures]
+        tail = "its resync failed too" if len(failures) > 1 else "no resync was possible (the export is read once)"
+        return (f"nemo-dcr sync {self.syncs} failed on policy rank {self.rank}'s side: {'; '.join(what)}; {tail}; "
+                "the next sync re-attaches (checksums decide what to send)")

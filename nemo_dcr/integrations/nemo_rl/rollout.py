@@ -20,7 +20,6 @@ end-of-sync message.
 from __future__ import annotations
 
 import gc
-import json
 import time
 from typing import Any, Mapping
 
@@ -31,7 +30,7 @@ from nemo_dcr.transport import MessageKind, TransportError
 from nemo_dcr.transport.base import TransportTimeout
 from nemo_dcr.types import spec_of
 
-from .session import SyncTransport, Topology
+from .session import ATTEMPTS, SyncOutcome, SyncTransport, Topology
 
 
 def find_owner(obj: Any, attr: str = "checkpoint_engine") -> Any | None:
@@ -107,7 +106,8 @@ def build_engine(worker: Any, probe: tuple, topo: Topology, rollout_rank: int, k
 
 
 class RolloutSide:
-    """One vLLM worker in one session: serves each sync until the policy's end-of-sync message.
+    """One vLLM worker in one session: serves each sync, attempt by attempt, until the policy's
+    end-of-sync message.
 
     Args:
         engine: this worker's engine (:func:`build_engine`; kept across sessions).
@@ -126,25 +126,47 @@ class RolloutSide:
         self.last: dict = {}
 
     def receive(self) -> dict:
-        """Serve one sync (its refits, recovery resyncs, queries) until its END; returns what happened.
+        """Serve one sync (its refits, recovery resyncs, queries; a second attempt after a failure
+        anywhere) until its END; returns what happened.
 
         Raises:
             TimeoutError: no message for ``timeout_s`` (names the version held and the folder).
-            RuntimeError: the policy side reported a failed sync, or a version this worker does not hold.
+            RuntimeError: the sync failed for good (names the rank and cause of each attempt), or
+                the policy reports a version this worker does not hold.
         """
         self.syncs += 1
-        sync = self.syncs
-        self.transport.begin(sync)
-        server = EngineServer(self.engine, self.transport, list(range(self.topo.train_world)))
-        start, bad_envelopes = self.engine.version, 0
+        sync, start, bad, failures = self.syncs, self.engine.version, 0, []
+        for attempt in range(ATTEMPTS):
+            self.transport.begin(sync, attempt)
+            server = EngineServer(self.engine, self.transport, list(range(self.topo.train_world)))
+            outcome, version, bad = self._serve(sync, attempt, server, bad)
+            if outcome.ok:
+                return self._done(sync, outcome, version, server, start, bad, failures)
+            failures.append(outcome.describe(self.topo.train_world))
+            if outcome.final:
+                break
+        raise RuntimeError(f"nemo-dcr sync {sync} failed (rollout rank {self.rank - self.topo.train_world} holds "
+                           f"v{self.engine.version}): {'; then '.join(failures)}")
+
+    def _serve(self, sync: int, attempt: int, server: EngineServer, bad: int) -> tuple[SyncOutcome, int, int]:
+        """Handle this attempt's messages until its END (or this worker's own failure, which it
+        announces to every policy worker); returns the attempt's outcome, the version its END
+        names and the count of envelopes that failed authentication."""
         while True:
             env = self._next(sync, server)
             if env is None:
-                bad_envelopes += 1
+                bad += 1
                 continue
             if env.kind == MessageKind.END:
-                return self._end(sync, env, server, start, bad_envelopes)
-            server.handle(env)
+                return SyncOutcome.from_bytes(env.body), env.version, bad
+            try:
+                server.handle(env)
+            except Exception as exc:  # noqa: BLE001 - ends the attempt for every party
+                outcome = SyncOutcome(sync, attempt, False, attempt + 1 == ATTEMPTS, self.rank,
+                                      f"{type(exc).__name__}: {str(exc)[:800]}")
+                everyone = range(self.topo.train_world + self.topo.rollout_world)
+                self.transport.end([r for r in everyone if r != self.rank], outcome)
+                return outcome, -1, bad
 
     def _next(self, sync: int, server: EngineServer):
         try:
@@ -156,14 +178,13 @@ class RolloutSide:
         except TransportError:  # a message that failed authentication: dropped like a lost one
             return None
 
-    def _end(self, sync: int, env, server: EngineServer, start: int, bad: int) -> dict:
-        outcome = json.loads(env.body)
-        if not outcome.get("ok"):
-            raise RuntimeError(f"nemo-dcr sync {sync} failed on the policy side: {outcome.get('reason', '?')}")
-        if env.version != self.engine.version:
-            raise RuntimeError(f"nemo-dcr sync {sync}: the policy reports v{env.version}, this rollout worker "
+    def _done(self, sync: int, outcome: SyncOutcome, version: int, server: EngineServer, start: int, bad: int,
+              failures: list[str]) -> dict:
+        if version != self.engine.version:
+            raise RuntimeError(f"nemo-dcr sync {sync}: the policy reports v{version}, this rollout worker "
                                f"holds v{self.engine.version}")
         s = server.stats
-        self.last = dict(sync=sync, version_before=start, version=self.engine.version, committed=s.committed,
-                         resyncs=s.resyncs, refused=dict(s.refused), bad_envelopes=bad, at=time.time())
+        self.last = dict(sync=sync, attempt=outcome.attempt, version_before=start, version=self.engine.version,
+                         committed=s.committed, resyncs=s.resyncs, refused=dict(s.refused), bad_envelopes=bad,
+                         recovered=failures, at=time.time())
         return self.last

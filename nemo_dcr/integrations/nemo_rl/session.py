@@ -12,25 +12,35 @@ layout of every entry is written down in docs/wire_format.md section 7.6.
 Messages travel over the store transport (:class:`~nemo_dcr.transport.StoreTransport`, HMAC-keyed)
 in ``<url>/session-<id>/sync-<n>/``: a folder per sync (:class:`SyncTransport`), numbered by each
 side's count of ``send_weights`` / ``receive_weight_batches`` calls in the session (NeMo-RL calls
-both once per ``sync_weights``), so leftovers of a failed sync never meet the next one.  The store
-transport deletes what it consumed; each endpoint deletes its own inboxes of earlier syncs and
-policy rank 0 deletes earlier sync folders and other sessions (:func:`remove_stale`).
+both once per ``sync_weights``), so leftovers of a failed sync never meet the next one.  A sync
+has up to :data:`ATTEMPTS` attempts, the second (``sync-<n>.1``) a resync after the first failed:
+whoever fails an attempt sends an ``END`` envelope with a failed :class:`SyncOutcome` to every
+other party, and every policy endpoint waiting in that attempt gets it as :class:`SyncAborted`
+(:meth:`SyncTransport.recv` watches every sender, so no party waits for a peer that gave up).
+The store transport deletes what it consumed; each endpoint deletes its own inboxes of earlier
+syncs and policy rank 0 deletes earlier sync folders and other sessions (:func:`remove_stale`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import time
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from nemo_dcr.apply.placement import TensorPlacement, placement_from_json
-from nemo_dcr.transport import Envelope, StoreTransport
+from nemo_dcr.transport import Envelope, MessageKind, StoreTransport
+from nemo_dcr.transport.base import TransportTimeout
 
 TAG = "nemo_dcr"
 """Key marking metadata produced by this plugin."""
+
+ATTEMPTS = 2
+"""Attempts of one sync: the refit, then (after a failure anywhere) a resync through the same path."""
 
 ENTRY_KEYS = {"policy": ("nonce",), "rollout": ("nonce", "table", "table_sha", "placement", "placed")}
 """Keys an entry of each role carries besides :data:`TAG` (NeMo-RL may add its own, e.g. ``rank``)."""
@@ -142,35 +152,110 @@ def policy_metadata(nonce: str) -> dict:
     return {TAG: "policy", "nonce": nonce}
 
 
+@dataclass(frozen=True)
+class SyncOutcome:
+    """How one attempt of a sync ended: the body of an ``END`` envelope (docs/wire_format.md 7.6).
+
+    Attributes:
+        sync: the sync (1, 2, ... in the session).
+        attempt: the attempt (0: the refit, 1: the resync after a failure).
+        ok: the attempt succeeded (sent by policy rank 0 to every rollout rank).
+        final: no further attempt follows (the sync failed for good when not ``ok``).
+        rank: refit-group rank that ended the attempt (policy ``i``: ``i``; rollout ``j``: ``T + j``).
+        reason: what failed (empty when ``ok``).
+    """
+
+    sync: int
+    attempt: int
+    ok: bool
+    final: bool
+    rank: int
+    reason: str = ""
+
+    def to_bytes(self) -> bytes:
+        """The ``END`` body (JSON)."""
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, body: bytes) -> SyncOutcome:
+        """Parse an ``END`` body.
+
+        Raises:
+            ValueError: not a JSON object with exactly the six keys of the right types.
+        """
+        try:
+            obj = json.loads(body)
+        except ValueError as exc:
+            raise ValueError(f"END body is not JSON: {exc}") from None
+        types = {"sync": int, "attempt": int, "ok": bool, "final": bool, "rank": int, "reason": str}
+        if not isinstance(obj, dict) or set(obj) != set(types) or any(
+                type(obj[k]) is not t for k, t in types.items()):
+            raise ValueError(f"END body must be an object with {sorted(types)} of types "
+                             f"{[t.__name__ for t in types.values()]}, got {str(obj)[:200]}")
+        return cls(**obj)
+
+    def describe(self, train_world: int) -> str:
+        """Who failed and why, e.g. ``policy rank 1: OSError: disk full``."""
+        who = f"policy rank {self.rank}" if self.rank < train_world else f"rollout rank {self.rank - train_world}"
+        return f"{who}: {self.reason}"
+
+
+class SyncAborted(RuntimeError):
+    """Another party ended the current attempt of the sync (:attr:`outcome` says who and why)."""
+
+    def __init__(self, outcome: SyncOutcome):
+        super().__init__(f"sync {outcome.sync} attempt {outcome.attempt} ended by rank {outcome.rank}: "
+                         f"{outcome.reason}")
+        self.outcome = outcome
+
+
+_SYNC_DIR = re.compile(r"^sync-(\d{6,})(?:\.(\d+))?$")
+
+
+def attempt_name(sync: int, attempt: int = 0) -> str:
+    """``sync-<n, 6 digits>`` for the first attempt, ``sync-<n>.<a>`` for attempt ``a``."""
+    return f"sync-{sync:06d}" + (f".{attempt}" if attempt else "")
+
+
 class SyncTransport:
-    """A :class:`~nemo_dcr.transport.StoreTransport` whose folder is ``<session>/sync-<n>`` for the
-    current sync ``n`` (:meth:`begin`) and whose run identity is ``<session>:sync-<n>`` (every
-    endpoint derives it from NeMo-RL's metadata, so all agree without talking, and a frame of
-    another session or sync is dropped by the transport); otherwise the same ``send`` / ``recv`` /
-    ``flush``.
+    """A :class:`~nemo_dcr.transport.StoreTransport` whose folder is ``<session>/sync-<n>[.<a>]`` for
+    the current sync ``n`` and attempt ``a`` (:meth:`begin`) and whose run identity is
+    ``<session>:<that name>`` (every endpoint derives it from NeMo-RL's metadata, so all agree
+    without talking, and a frame of another session, sync or attempt is never read); otherwise
+    the same ``send`` / ``recv`` / ``flush``.
+
+    :meth:`recv` watches every sender while it waits for one: messages of the others are kept in
+    arrival order for later calls, and with ``abort_on_end`` (policy endpoints) an ``END`` of the
+    current attempt raises :class:`SyncAborted`.
 
     Args:
         folder: the session folder.
         rank: this endpoint's refit-group rank.
         key: HMAC key.
         session: the session's name (:attr:`Topology.session`).
+        abort_on_end: raise :class:`SyncAborted` on an ``END`` envelope (policy side).
     """
 
-    def __init__(self, folder: str, rank: int, key: bytes, session: str):
+    def __init__(self, folder: str, rank: int, key: bytes, session: str, abort_on_end: bool = False):
         self.session_folder, self.rank, self.key, self.session = folder, rank, key, session
-        self.sync = 0
+        self.abort_on_end = abort_on_end
+        self.sync, self.attempt = 0, 0
         self._inner: StoreTransport | None = None
+        self._held: list[Envelope] = []
 
     @property
     def folder(self) -> str:
-        """The current sync's folder."""
-        return f"{self.session_folder}/sync-{self.sync:06d}"
+        """The current attempt's folder."""
+        return f"{self.session_folder}/{attempt_name(self.sync, self.attempt)}"
 
-    def begin(self, sync: int) -> None:
-        """Move to sync ``sync``; this endpoint's inboxes of earlier syncs are deleted."""
-        self.sync = sync
-        self._inner = StoreTransport(self.folder, self.rank, self.key, run=f"{self.session}:sync-{sync:06d}")
-        remove_stale(self.session_folder, sync, inbox=self.rank)
+    def begin(self, sync: int, attempt: int = 0) -> None:
+        """Move to attempt ``attempt`` of sync ``sync``; this endpoint's inboxes of earlier syncs are
+        deleted."""
+        self.sync, self.attempt, self._held = sync, attempt, []
+        name = attempt_name(sync, attempt)
+        self._inner = StoreTransport(self.folder, self.rank, self.key, run=f"{self.session}:{name}")
+        if attempt == 0:
+            remove_stale(self.session_folder, sync, inbox=self.rank)
 
     def _t(self) -> StoreTransport:
         if self._inner is None:
@@ -178,16 +263,48 @@ class SyncTransport:
         return self._inner
 
     def send(self, dst: int, env: Envelope) -> None:
-        """Send within the current sync's folder."""
+        """Send within the current attempt's folder."""
         self._t().send(dst, env)
 
     def flush(self) -> None:
         """See :meth:`StoreTransport.flush`."""
         self._t().flush()
 
+    def end(self, dsts: Sequence[int], outcome: SyncOutcome, version: int = -1) -> None:
+        """Send ``outcome`` as an ``END`` envelope to every rank of ``dsts`` (best effort when failed:
+        a party that cannot be told times out with its own message)."""
+        for d in dsts:
+            try:
+                self.send(d, Envelope(MessageKind.END, version, self.rank, body=outcome.to_bytes()))
+            except Exception:  # noqa: BLE001 - see the docstring
+                if outcome.ok:
+                    raise
+
     def recv(self, src: int | None = None, timeout: float | None = None) -> Envelope:
-        """Receive from the current sync's folder."""
-        return self._t().recv(src, timeout)
+        """The next envelope from ``src`` (any sender when None) in the current attempt.
+
+        Raises:
+            SyncAborted: (``abort_on_end``) an ``END`` arrived from any sender.
+            TransportTimeout: nothing from ``src`` within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for i, env in enumerate(self._held):
+                if src is None or env.sender == src:
+                    return self._held.pop(i)
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                if left is not None and left < 0:
+                    raise TransportTimeout("deadline passed")
+                env = self._t().recv(None, timeout=left)
+            except TransportTimeout:
+                raise TransportTimeout(f"rank {self.rank}: nothing from {'any sender' if src is None else src} in "
+                                       f"{self.folder} within {timeout}s") from None
+            if self.abort_on_end and env.kind == MessageKind.END:
+                raise SyncAborted(SyncOutcome.from_bytes(env.body))
+            if src is None or env.sender == src:
+                return env
+            self._held.append(env)
 
 
 def _fs(url: str):
@@ -198,15 +315,16 @@ def _fs(url: str):
 
 def remove_stale(session_folder: str, sync: int, inbox: int | None = None) -> list[str]:
     """Delete what earlier syncs of a session left: this endpoint's ``inbox`` in every earlier
-    sync folder, or (``inbox=None``) every sync folder older than the previous one.  Returns the
+    sync folder (attempts included), or (``inbox=None``) every sync folder older than the
+    previous one.  Returns the
     paths deleted (missing ones are skipped: another endpoint may be cleaning at the same time)."""
     fs, root = _fs(session_folder)
     gone = []
     for path in _listing(fs, root):
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        if not name.startswith("sync-") or not name[5:].isdigit():
+        m = _SYNC_DIR.match(path.rstrip("/").rsplit("/", 1)[-1])
+        if m is None:
             continue
-        n = int(name[5:])
+        n = int(m.group(1))
         if inbox is not None:
             target = f"{path}/to-{inbox}" if n < sync else None
         else:
