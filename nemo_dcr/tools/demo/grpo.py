@@ -207,7 +207,7 @@ def summarize(cfg, steps: list[dict], init, seconds: float) -> dict:
         "reward_first": steps[0]["reward"], "reward_last": steps[-1]["reward"],
         "reward_mean": mean(s["reward"] for s in steps),
         "density_mean": mean(s["density"] for s in steps),
-        "delta_bytes_total": sum(s["payload_bytes"] for s in steps),
+        **_links_summary(steps),
         "dense_bytes_total": sum(s["bytes"]["dense"] for s in steps),
         "bytes_by_encoding_total": {k: sum(s["bytes"].get(k, 0) for s in steps)
                                     for k in steps[0]["bytes"]},
@@ -222,6 +222,20 @@ def summarize(cfg, steps: list[dict], init, seconds: float) -> dict:
         "modes": [s["mode"] for s in steps], "wall_seconds": seconds,
         "engine_weights": cfg.engine.weights, **_fp8_summary(steps),
     }
+
+
+def _links_summary(steps: list[dict]) -> dict:
+    """Bytes on every link over the run's steps, from what was sent: ``bytes_on_links_total``
+    (trainer-to-trainer routing, trainer-to-engine payloads), their sum ``delta_bytes_total``, and
+    ``bytes_by_host_total`` (per host of the sending ranks, with the routing to other hosts)."""
+    links = {k: sum(s["bytes_on_links"][k] for s in steps) for k in steps[0]["bytes_on_links"]}
+    hosts: dict[str, dict[str, int]] = {}
+    for s in steps:
+        for h, v in s["bytes_by_host"].items():
+            for k, b in v.items():
+                hosts.setdefault(h, {}).setdefault(k, 0)
+                hosts[h][k] += b
+    return {"delta_bytes_total": sum(links.values()), "bytes_on_links_total": links, "bytes_by_host_total": hosts}
 
 
 def _fp8_summary(steps: list[dict]) -> dict:
