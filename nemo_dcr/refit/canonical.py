@@ -59,6 +59,10 @@ class CanonicalSource:
         """Checksums of the tensors this rank captures (full scan)."""
         return {n: tensor_checksum(host_bits(self.params[n])) for n in self._captured()}
 
+    def captured(self) -> dict[str, int]:
+        """Elements captured per tensor: every element of the tensors this rank captures."""
+        return {n: self.params[n].numel() for n in self._captured()}
+
     def pieces(self) -> list[SparseDelta]:
         """Every captured element, with zero old bits."""
         out = []

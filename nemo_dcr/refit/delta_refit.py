@@ -14,9 +14,10 @@ Every trainer rank calls :meth:`step` (it is collective).  Per step each rank:
 1. **captures** the changed elements of its own slice of its own shard against its baseline of
    what the engine holds (integer views);
 2. **remaps** them to canonical (HF) names and indices by pure index arithmetic;
-3. **routes** each canonical piece to the trainer rank that owns that tensor (raw arrays, no
-   pickle), which merges the pieces and **encodes** them against its mirror of the engine's bits,
-   so encoding is split over all trainer ranks;
+3. **routes** each canonical piece to the trainer rank that owns that tensor (the rank capturing
+   most of it; coded with ``dcr`` against the sender's view of the tensor, which both keep), which
+   merges the pieces and **encodes** them against its mirror of the engine's bits, so encoding is
+   split over all trainer ranks;
 4. **sends** payload bytes over the configured transport to the engine rank(s), where an
    :class:`~nemo_dcr.refit.server.EngineServer` applies all parts of the version as one
    transaction (validate, write with an undo log, verify, commit or roll back);
@@ -52,7 +53,8 @@ from .fp8_mirror import sender_mirror
 from .group import TrainerGroup
 from .messages import Ask
 from .refit_report import RefitReport
-from .routing import assign_owners
+from .route_views import Router
+from .routing import assign_owners, gather_captured
 from .sender import RefitSender, Tamper, verify_due
 from .server import EngineServer
 from .source import TrainerSource, source_for
@@ -83,10 +85,13 @@ class DeltaRefit:
         self.refits = 0
         self.closed = False
         sizes = {n: _numel(s) for n, (_, s) in source.canonical.items()}
-        owners = assign_owners(sizes, self.group.size)
+        members = gather_captured(self.group, source.captured(), sorted(sizes))  # collective
+        self.hosts = members.hosts
+        owners = assign_owners(sizes, self.group.size, members.shares)
         mirror = sender_mirror(cfg, source.canonical, [n for n, r in owners.items() if r == self.group.rank])
+        router = Router(self.group, owners, source.canonical, self.key, members.hosts)
         self.sender = RefitSender(cfg, self.key, self.group, wiring.transport, wiring.engine_ranks, owners,
-                                  mirror, model=model)
+                                  mirror, router, model=model)
         self.store = self._new_store()
         self._checksums: dict[str, int] = {}
         self._server: EngineServer | None = None
@@ -236,7 +241,9 @@ class DeltaRefit:
         local += [report.by_layer_type.get(k, {}).get("changed", 0) for k in kinds]
         local += [report.bytes_by_encoding.get(e, 0) for e in encs]
         local += [report.engine_format.get(k, 0) for k in fmt]
-        summed = self.group.sum_ints(local)
+        hosts, links = self._host_links(report)
+        summed = self.group.sum_ints(local + links)
+        summed, links = summed[:len(local)], summed[len(local):]
         slowest = self.group.max_floats([report.times.get(TOTAL, 0.0)])[0]
         numel = {k: 0 for k in kinds}
         for n, (dtype, shape) in self.source.canonical.items():
@@ -244,9 +251,21 @@ class DeltaRefit:
         by_kind = {k: {"changed": summed[3 + i], "numel": numel[k]} for i, k in enumerate(kinds)}
         sizes = {e: summed[3 + len(kinds) + i] for i, e in enumerate(encs)} if report.mode == "delta" else {}
         counts = dict(zip(fmt, summed[3 + len(kinds) + len(encs):]))
+        by_host = {h: dict(zip(HOST_LINKS, links[3 * i:3 * i + 3])) for i, h in enumerate(hosts)}
         return replace(report, changed=summed[0], payload_bytes=summed[1], numel=sum(numel.values()),
                        dense_bytes=summed[2], by_layer_type=by_kind, bytes_by_encoding=sizes, engine_format=counts,
+                       route_bytes=sum(v["trainer_to_trainer"] for v in by_host.values()), bytes_by_host=by_host,
                        times={**report.times, TOTAL_SLOWEST_RANK: slowest})
+
+    def _host_links(self, report: RefitReport) -> tuple[list[str], list[int]]:
+        """The hosts of the trainer ranks (sorted) and this rank's bytes in its host's slots
+        (:data:`HOST_LINKS` each), zeros in the others: summed, each host's links."""
+        hosts = sorted(set(self.hosts))
+        mine = hosts.index(self.hosts[self.group.rank])
+        links = [0] * (3 * len(hosts))
+        sent = self.sender.router.sent
+        links[3 * mine:3 * mine + 3] = [report.route_bytes, report.payload_bytes, sent.to_other_hosts]
+        return hosts, links
 
     # -- hook and shutdown -------------------------------------------------------------------------
 
@@ -273,6 +292,10 @@ class DeltaRefit:
             t.flush()
             self._thread.join(timeout)
         self.wiring.close(timeout)
+
+
+HOST_LINKS = ("trainer_to_trainer", "trainer_to_engine", "trainer_to_other_hosts")
+"""The links of :attr:`RefitReport.bytes_by_host`, per host, in this order."""
 
 
 def _key(cfg: DcrConfig) -> bytes | None:

@@ -1,9 +1,10 @@
 """The one report of a refit: what happened, measured, on every trainer rank alike.
 
 :class:`nemo_dcr.refit.sender.RefitSender` fills the fields it measures on its own rank
-(changes it encoded, bytes it put on the transport, its phase times); :class:`DeltaRefit`
+(changes it encoded, bytes it put on the trainer group and on the transport, its phase times); :class:`DeltaRefit`
 then sums the counts over the trainer ranks (:meth:`RefitReport.totals`), so every rank holds
-the same report: ``changed`` and ``payload_bytes`` are the model-wide numbers of that refit.
+the same report: ``changed``, ``payload_bytes`` and ``route_bytes`` are the model-wide numbers of
+that refit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class RefitReport:
         changed: changed canonical elements sent.
         numel: canonical elements of the whole model.
         payload_bytes: payload bytes put on the transport (parts of DELTA and RESYNC messages).
+        route_bytes: routing pack bytes put on the trainer group for other trainer ranks
+            (docs/wire_format.md section 7.5; a rank's changes of the tensors it owns stay on it).
         dense_bytes: bytes of the whole model in its serving dtype (a dense refit's payload).
         bytes_by_encoding: payload bytes of the same changes in other encodings (telemetry).
         by_layer_type: layer type -> ``{"changed": n, "numel": m}``.
@@ -40,6 +43,10 @@ class RefitReport:
             ``telemetry`` is a span inside it) and ``total_slowest_rank`` (the largest ``total``
             of the trainer ranks).
         verify: the last comparison of trainer and engine checksums (None: not checked).
+        bytes_by_host: host of the sending trainer ranks -> ``{"trainer_to_trainer": routing pack
+            bytes, "trainer_to_engine": payload bytes, "trainer_to_other_hosts": the routing pack
+            bytes addressed to trainer ranks on another host}`` (what its ranks sent; where the
+            engines run is the job's layout).
         engine_format: counts of the engine format (``dcr.engine_format: fp8``; refit/fp8_mirror.py):
             ``fp8_elements`` and ``fp8_blocks`` of the FP8 weights, ``fp8_changed`` FP8 bytes and
             ``fp8_bf16_changed`` BF16 elements of them that changed, ``scale_changes``,
@@ -58,12 +65,21 @@ class RefitReport:
     changed: int = 0
     numel: int = 0
     payload_bytes: int = 0
+    route_bytes: int = 0
     dense_bytes: int = 0
     bytes_by_encoding: dict[str, int] = field(default_factory=dict)
     by_layer_type: dict[str, dict[str, int]] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)
     verify: VerifyReport | None = None
     engine_format: dict[str, int] = field(default_factory=dict)
+    bytes_by_host: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def bytes_on_links(self) -> dict[str, int]:
+        """Bytes put on each link, measured from what was sent: ``trainer_to_trainer`` (routing
+        packs) and ``trainer_to_engine`` (payloads).  No engine-side relay exists, so there is no
+        engine fan-out link."""
+        return {"trainer_to_trainer": self.route_bytes, "trainer_to_engine": self.payload_bytes}
 
     @property
     def density(self) -> float:

@@ -1,47 +1,224 @@
-"""Which trainer rank encodes which engine tensor, and how sparse changes travel to it.
+"""Which trainer rank encodes which canonical tensor, and the messages that carry changes to it.
 
-Every engine tensor has one *owner* trainer rank (:func:`assign_owners`: greedy balance by
-size, deterministic on every rank).  After remapping, each trainer rank sends the canonical
-changes of tensor ``t`` to ``owner(t)``; the owner merges the pieces from all ranks
-(:func:`merge`) and encodes them against its mirror.  Messages are :func:`pack`-ed as a JSON
-head plus raw little-endian arrays (no pickle, docs/wire_format.md section 7.5), so cost is
-proportional to the changes; :func:`unpack` refuses a malformed pack with a
-:class:`RoutingPackError` naming what is wrong.
+Every canonical tensor has one *owner* trainer rank.  :func:`assign_owners` picks, for each
+tensor (largest first), among the ranks that capture the largest share of it the least-loaded
+one, so the fewest changes leave the rank that captured them and the encoding stays balanced;
+the shares come from :func:`gather_captured` (one exchange when the refit is built, which also
+tells every rank each member's host).  After remapping, each trainer rank sends the canonical
+changes of tensor ``t`` to ``owner(t)`` as a :func:`pack` (docs/wire_format.md section 7.5): a
+fixed head, one table row per tensor and the bodies, coded by :mod:`.route_views` (the ``dcr``
+coder over the sender's view of the tensor), with an HMAC when the refit has a key.
+:func:`unpack` refuses a malformed pack with a :class:`RoutingPackError` naming what is wrong;
+:func:`merge` joins the pieces of one tensor from several ranks, refusing an element captured twice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import hmac
 import json
+import socket
 import struct
 from collections import defaultdict
+from dataclasses import dataclass
+from enum import IntEnum
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from nemo_dcr.types import DTYPES, SparseDelta
+from nemo_dcr.types import SparseDelta
 
-_LEN = struct.Struct("<Q")
-_ENTRY_KEYS = ("name", "dtype", "shape", "nnz", "old")
+from .group import TrainerGroup
+
+MAGIC = b"NDCP"
+FORMAT_VERSION = 2
+FLAG_MAC = 1
+MAC_BYTES = 32
+HEAD = struct.Struct("<4sBBiiI")  # magic, format version, flags, sender, receiver, entries
+ENTRY = struct.Struct("<IBQQQQ")  # tensor, coding, count, body bytes, base checksum, target checksum
 
 
 class RoutingPackError(ValueError):
     """A routing pack that breaks docs/wire_format.md section 7.5 (the message names what)."""
 
 
-def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
-    """Owner rank of every tensor: largest first onto the least-loaded rank (ties: lower rank).
+class Coding(IntEnum):
+    """How a pack entry's body is coded (section 7.5)."""
 
-    A heap of ``(load, rank)`` pops exactly the rank ``min(range(world), key=(load, rank))``
-    would pick, in O(log world) per tensor (70k tensors on 1024 ranks in well under a second).
+    VIEW = 1
+    """The sender's view of the tensor: its runs and the bits of every element in it (attach)."""
+    DCR = 2
+    """Changes of the view as a ``dcr`` record body (section 4.4) against the view's bits."""
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    """One row of a pack's table and its body.
+
+    Attributes:
+        tensor: index of the canonical tensor among the sorted canonical names.
+        coding: how :attr:`body` is coded.
+        count: elements of the view (``VIEW``) or changed elements (``DCR``).
+        base: checksum of the view bits the body is coded against (``DCR``; 0 for ``VIEW``).
+        target: checksum of the view bits after the entry.
+        body: the coded bytes.
     """
+
+    tensor: int
+    coding: Coding
+    count: int
+    base: int
+    target: int
+    body: bytes | memoryview
+
+
+def _mac(key: bytes, data) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def pack(entries: Sequence[PackEntry], sender: int, receiver: int, key: bytes | None) -> bytes:
+    """The routing pack from trainer-group rank ``sender`` to ``receiver`` (section 7.5)."""
+    flags = FLAG_MAC if key is not None else 0
+    parts = [HEAD.pack(MAGIC, FORMAT_VERSION, flags, sender, receiver, len(entries))]
+    parts += [ENTRY.pack(e.tensor, int(e.coding), e.count, len(e.body), e.base, e.target) for e in entries]
+    parts += [bytes(e.body) for e in entries]
+    data = b"".join(parts)
+    return data + _mac(key, data) if key is not None else data
+
+
+def unpack(data: bytes, sender: int, receiver: int, key: bytes | None, tensors: int) -> list[PackEntry]:
+    """The entries of a pack that trainer-group rank ``sender`` sent to ``receiver``.
+
+    Args:
+        data: the pack.
+        sender, receiver: the ranks it travelled between (the head must name them).
+        key: the refit's HMAC key (None: the pack must carry no MAC).
+        tensors: number of canonical tensors (tensor indices must lie below it).
+
+    Raises:
+        RoutingPackError: a short pack, another magic or format version, unknown flags, a MAC
+            that is missing, unexpected or wrong, other ranks than the ones it travelled
+            between, a table or body past the end, bytes after the last body, an unknown coding,
+            a tensor index out of range or a tensor twice (rule 24).
+    """
+    data = memoryview(data)
+    where = f"routing pack from trainer rank {sender}"
+    if len(data) < HEAD.size:
+        raise RoutingPackError(f"{where}: {len(data)} bytes, shorter than its {HEAD.size}-byte head")
+    magic, version, flags, src, dst, n = HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise RoutingPackError(f"{where}: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise RoutingPackError(f"{where}: format version {version}, this reader reads {FORMAT_VERSION}")
+    if flags & ~FLAG_MAC or bool(flags & FLAG_MAC) != (key is not None):
+        raise RoutingPackError(f"{where}: flags {flags:#x}, expected {FLAG_MAC if key is not None else 0:#x} "
+                               f"({'a MAC: the refit has a key' if key is not None else 'no MAC: no key'})")
+    end = len(data) - (MAC_BYTES if key is not None else 0)
+    if end < HEAD.size:
+        raise RoutingPackError(f"{where}: {len(data)} bytes, too short for its head and MAC")
+    if key is not None and not hmac.compare_digest(_mac(key, data[:end]), bytes(data[end:])):
+        raise RoutingPackError(f"{where}: MAC does not match (wrong key or altered pack)")
+    if (src, dst) != (sender, receiver):
+        raise RoutingPackError(f"{where} to {receiver}: the head names sender {src} and receiver {dst}")
+    return _entries(data, end, n, tensors, where)
+
+
+def _entries(data: memoryview, end: int, n: int, tensors: int, where: str) -> list[PackEntry]:
+    """The ``n`` table rows after the head and their bodies, which must end exactly at ``end``."""
+    off = HEAD.size + n * ENTRY.size
+    if off > end:
+        raise RoutingPackError(f"{where}: a table of {n} entries needs {off} bytes, the pack has {end}")
+    out, seen = [], set()
+    for i in range(n):
+        t, coding, count, length, base, target = ENTRY.unpack_from(data, HEAD.size + i * ENTRY.size)
+        if t >= tensors or t in seen:
+            raise RoutingPackError(f"{where}, entry {i}: tensor {t} " +
+                                   ("twice" if t in seen else f"outside the {tensors} canonical tensors"))
+        if coding not in tuple(Coding):
+            raise RoutingPackError(f"{where}, entry {i}: coding {coding}, known {[int(c) for c in Coding]}")
+        if length > end - off:
+            raise RoutingPackError(f"{where}, entry {i}: body of {length} bytes at offset {off}, the pack "
+                                   f"ends at {end}")
+        seen.add(t)
+        out.append(PackEntry(t, Coding(coding), count, base, target, data[off:off + length]))
+        off += length
+    if off != end:
+        raise RoutingPackError(f"{where}: {end - off} bytes after the last body")
+    return out
+
+
+# -- owners ---------------------------------------------------------------------------------------
+
+def assign_owners(sizes: Mapping[str, int], world: int,
+                  shares: Mapping[str, Mapping[int, int]] | None = None) -> dict[str, int]:
+    """Owner rank of every tensor (identical on every rank for identical arguments).
+
+    Tensors are taken largest first (ties: by name).  A tensor with ``shares`` (rank -> elements
+    of it that rank captures) goes to the least-loaded of the ranks capturing the largest share,
+    so the fewest of its changes are routed; one without goes to the least-loaded rank.  Ties of
+    load go to the lower rank.  A heap of ``(load, rank)`` serves the second case in
+    O(log world) per tensor (70k tensors on 1024 ranks in well under a second).
+    """
+    load = [0] * world
     heap = [(0, r) for r in range(world)]
     owners = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        load, rank = heapq.heappop(heap)
+        held = {r: c for r, c in (shares or {}).get(name, {}).items() if c > 0}
+        if held:
+            top = max(held.values())
+            rank = min((r for r, c in held.items() if c == top), key=lambda r: (load[r], r))
+        else:
+            while heap[0][0] != load[heap[0][1]]:  # an entry left behind by a shares pick
+                heapq.heappop(heap)
+            rank = heapq.heappop(heap)[1]
         owners[name] = rank
-        heapq.heappush(heap, (load + sizes[name], rank))
+        load[rank] += sizes[name]
+        heapq.heappush(heap, (load[rank], rank))
     return owners
+
+
+@dataclass(frozen=True)
+class Members:
+    """What every trainer rank learned about the others when the refit was built.
+
+    Attributes:
+        hosts: host name of each trainer-group rank.
+        shares: canonical name -> {rank: elements of it that rank captures}.
+    """
+
+    hosts: tuple[str, ...]
+    shares: dict[str, dict[int, int]]
+
+
+def gather_captured(group: TrainerGroup, captured: Mapping[str, int], names: Sequence[str]) -> Members:
+    """Every rank's host and captured counts (collective; section 7.5, rule 24c).
+
+    Each rank sends every other the JSON object ``{"host": str, "captured": [[tensor index,
+    elements], ...]}`` (tensor indices into the sorted ``names``, elements > 0).
+
+    Raises:
+        RoutingPackError: a member's message is not of that form (names the member).
+    """
+    index = {n: i for i, n in enumerate(names)}
+    mine = json.dumps({"host": socket.gethostname(),
+                       "captured": [[index[n], int(c)] for n, c in sorted(captured.items()) if c > 0]}).encode()
+    hosts, shares = [], defaultdict(dict)
+    for r, blob in enumerate(group.exchange([mine] * group.size)):
+        try:
+            msg = json.loads(blob)
+            ok = isinstance(msg, dict) and sorted(msg) == ["captured", "host"] and isinstance(msg["host"], str) \
+                and all(isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)
+                        and 0 <= p[0] < len(names) and p[1] > 0 for p in msg["captured"])
+        except (UnicodeDecodeError, ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise RoutingPackError(f"captured counts of trainer rank {r}: not {{'host': str, 'captured': "
+                                   f"[[tensor index < {len(names)}, elements > 0], ...]}}: {bytes(blob[:80])!r}")
+        hosts.append(msg["host"])
+        for t, c in msg["captured"]:
+            shares[names[t]][r] = c
+    return Members(tuple(hosts), dict(shares))
 
 
 def by_owner(deltas: Iterable[SparseDelta], owners: Mapping[str, int], world: int) -> list[list[SparseDelta]]:
@@ -50,73 +227,6 @@ def by_owner(deltas: Iterable[SparseDelta], owners: Mapping[str, int], world: in
     for d in deltas:
         out[owners[d.name]].append(d)
     return out
-
-
-def pack(deltas: Sequence[SparseDelta]) -> bytes:
-    """Serialize canonical deltas (positions, new bits, old bits) without pickle."""
-    head = [dict(name=d.name, dtype=d.dtype, shape=list(d.shape), nnz=d.nnz, old=d.old_bits is not None)
-            for d in deltas]
-    raw = json.dumps(head).encode()
-    arrays = []
-    for d in deltas:
-        arrays += [np.ascontiguousarray(d.positions, "<i8").tobytes(), np.ascontiguousarray(d.new_bits).tobytes()]
-        if d.old_bits is not None:
-            arrays.append(np.ascontiguousarray(d.old_bits).tobytes())
-    return _LEN.pack(len(raw)) + raw + b"".join(arrays)
-
-
-def unpack(data: bytes) -> list[SparseDelta]:
-    """Inverse of :func:`pack`.
-
-    Raises:
-        RoutingPackError: a short or malformed head, an entry of the wrong form, arrays beyond the
-            end, bytes after the last array, or a position outside its tensor.
-    """
-    if len(data) < _LEN.size:
-        raise RoutingPackError(f"routing pack of {len(data)} bytes is shorter than its {_LEN.size}-byte head length")
-    (n,) = _LEN.unpack_from(data)
-    if n > len(data) - _LEN.size:
-        raise RoutingPackError(f"routing pack head of {n} bytes, but only {len(data) - _LEN.size} follow")
-    try:
-        head = json.loads(data[_LEN.size:_LEN.size + n])
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RoutingPackError(f"routing pack head is not UTF-8 JSON: {exc}") from None
-    if not isinstance(head, list):
-        raise RoutingPackError(f"routing pack head is a JSON {type(head).__name__}, not a list")
-    off, out = _LEN.size + n, []
-    for i, h in enumerate(head):
-        d, off = _entry(data, off, i, h)
-        out.append(d)
-    if off != len(data):
-        raise RoutingPackError(f"routing pack has {len(data) - off} bytes after its last array")
-    return out
-
-
-def _entry(data: bytes, off: int, i: int, h) -> tuple[SparseDelta, int]:
-    """Entry ``i`` of a pack's head and its arrays at ``off``; returns the delta and the next offset."""
-    if not isinstance(h, dict) or sorted(h) != sorted(_ENTRY_KEYS):
-        got = sorted(h) if isinstance(h, dict) else type(h).__name__
-        raise RoutingPackError(f"routing pack entry {i}: keys {got}, expected {sorted(_ENTRY_KEYS)}")
-    name, dtype, shape, nnz, has_old = (h[k] for k in _ENTRY_KEYS)
-    if not isinstance(name, str) or dtype not in DTYPES or type(has_old) is not bool:
-        raise RoutingPackError(f"routing pack entry {i}: name {name!r}, dtype {dtype!r} (known: {sorted(DTYPES)}), "
-                               f"old {has_old!r}")
-    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape) or type(nnz) is not int \
-            or nnz < 0:
-        raise RoutingPackError(f"routing pack entry {i} ({name}): shape {shape!r} and nnz {nnz!r} must be "
-                               "non-negative integers")
-    uint = DTYPES[dtype].uint
-    need = nnz * (8 + uint.itemsize * (2 if has_old else 1))
-    if off + need > len(data):
-        raise RoutingPackError(f"routing pack entry {i} ({name}): {need} bytes of arrays at offset {off}, "
-                               f"the pack has {len(data)}")
-    pos = np.frombuffer(data, "<i8", nnz, off)
-    new = np.frombuffer(data, uint, nnz, off + 8 * nnz)
-    old = np.frombuffer(data, uint, nnz, off + (8 + uint.itemsize) * nnz) if has_old else None
-    numel = int(np.prod(shape)) if shape else 1
-    if nnz and (int(pos.min()) < 0 or int(pos.max()) >= numel):
-        raise RoutingPackError(f"routing pack entry {i} ({name}): positions outside [0, {numel})")
-    return SparseDelta(name, dtype, tuple(shape), pos, new, old), off + need
 
 
 def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:

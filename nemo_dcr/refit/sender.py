@@ -34,7 +34,7 @@ from .messages import Ask, EngineReply, MessageFormatError, Query
 from .mirror import SenderMirror
 from .payloads import resync_payload
 from .refit_report import RefitReport
-from .routing import by_owner, merge, pack, unpack
+from .route_views import Router
 
 Tamper = Callable[[list[Envelope]], list[Envelope]]
 """Fault injection between encoding and sending (chaos): may drop, duplicate, reorder, corrupt."""
@@ -69,6 +69,7 @@ class RefitSender:
         owners: canonical tensor -> owning trainer rank.
         mirror: this rank's mirror of what the engine holds of its owned tensors, in the engine's
             format (a :class:`SenderMirror`, or an :class:`~.fp8_mirror.Fp8Mirror`: see refit/fp8_mirror.py).
+        router: this rank's routing to the owners (:class:`~.route_views.Router`, the same owners).
         routes: placement per ``(engine rank, shard)`` (None: engines hold canonical tensors whole).
         model: model name carried in payload headers.
     """
@@ -80,6 +81,7 @@ class RefitSender:
     engine_ranks: Sequence[int]
     owners: Mapping[str, int]
     mirror: SenderMirror | Fp8Mirror
+    router: Router
     routes: Mapping[tuple[int, int], RankPlacement] | None = None
     model: str = ""
     refits: int = 0
@@ -127,10 +129,16 @@ class RefitSender:
         if self.cfg.encoding == "dcr":  # after a (re)sync: the next refit's encode follows its changes
             self.mirror.build_indexes()
 
-    def _route(self, pieces: Sequence[SparseDelta]) -> list[SparseDelta]:
-        """Send each canonical piece to its owner; merge what this rank owns (refusing overlaps)."""
-        out = [pack(b) for b in by_owner(pieces, self.owners, self.group.size)]
-        return merge([d for blob in self.group.exchange(out) if blob for d in unpack(blob)])
+    def _route(self, pieces: Sequence[SparseDelta], attach: bool = False) -> list[SparseDelta]:
+        """Send each canonical piece to its owner (coded against the sender's view of its tensor,
+        refit/route_views.py); merge what this rank owns (refusing overlaps)."""
+        return self.router.route(pieces, attach)
+
+    def _ended(self, report: RefitReport) -> RefitReport:
+        """The views of this refit's route move with the capture baseline (only when it
+        committed); the report gets the routing bytes this rank sent."""
+        self.router.end(report.committed)
+        return replace(report, route_bytes=self.router.sent.to_others)
 
     def _send(self, kind: MessageKind, version: int, parts: Mapping[tuple[int, int], Sequence[bytes]],
               tamper: Tamper | None) -> int:
@@ -236,6 +244,9 @@ class RefitSender:
             base_skew: added to the payload's base version (version-skew fault injection).
             telemetry: further encodings whose payload sizes are measured for the report (not sent).
         """
+        return self._ended(self._refit(pieces, trainer_checksums, full, verify, tamper, base_skew, telemetry))
+
+    def _refit(self, pieces, trainer_checksums, full, verify, tamper, base_skew, telemetry) -> RefitReport:
         self.refits += 1
         self._detected = []
         clock = PhaseClock()
@@ -278,14 +289,15 @@ class RefitSender:
         """(Re)start: ``pieces`` are all nonzero elements (captured against a zero baseline).
 
         The mirror starts from zeros, so mirror plus ``pieces`` is the trainer's state; the
-        engine's full checksums decide which tensors (if any) need a resync.
+        engine's full checksums decide which tensors (if any) need a resync.  Each rank sends the
+        owners its view of their tensors (refit/route_views.py).
         """
         self._detected = []
         clock = PhaseClock()
         with clock(Phase.ROUTE):
-            owned = self.mirror.changes(self._route(pieces))
+            owned = self.mirror.changes(self._route(pieces, attach=True))
             self.mirror.stage(owned, 1)
-        return self._recover(trainer_checksums, sum(d.nnz for d in owned), 0, clock, mode="attach")
+        return self._ended(self._recover(trainer_checksums, sum(d.nnz for d in owned), 0, clock, mode="attach"))
 
     def resync(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitReport:
         """Send every owned tensor whole (this version's changes included) through the protocol."""
@@ -297,8 +309,8 @@ class RefitSender:
             self.mirror.stage(owned, self.mirror.version + 1)
         state = self.query()
         target = max([r.version for r in state] + [self.mirror.version]) + 1
-        return self._resync(self.owned, target, trainer_checksums, sum(d.nnz for d in owned), 0, clock,
-                            mode="resync", before=None)
+        return self._ended(self._resync(self.owned, target, trainer_checksums, sum(d.nnz for d in owned), 0, clock,
+                                        mode="resync", before=None))
 
     # -- recovery -----------------------------------------------------------------------------
 

@@ -43,6 +43,10 @@ class TrainerSource(Protocol):
     def pieces(self) -> list[SparseDelta]:
         """Every element this rank captures, as canonical pieces with zero old bits (first sync)."""
 
+    def captured(self) -> dict[str, int]:
+        """Canonical name -> elements of it this rank captures (cheap: the owner choice reads it
+        when the refit is built, before any capture)."""
+
 
 SourceBuilder = Callable[..., "TrainerSource | None"]
 _BUILDERS: list[tuple[str, SourceBuilder]] = []

@@ -2,12 +2,15 @@
 
 Rows are made by :func:`step_record` from a :class:`nemo_dcr.refit.RefitReport` and appended by
 :class:`TelemetryWriter` (the demo, ``recipes/``, the NeMo-RL plugin); :func:`read_steps` reads
-them back (``nemo-dcr report``, ``nemo-dcr plan --densities``).  Row schema (``schema`` = 1)::
+them back (``nemo-dcr report``, ``nemo-dcr plan --densities``).  Row schema (``schema`` = 2)::
 
-    {"schema": 1, "step": 3, "version": 3, "mode": "delta", "committed": true, "resynced": false,
+    {"schema": 2, "step": 3, "version": 3, "mode": "delta", "committed": true, "resynced": false,
      "density": 0.012, "changed": 1634000, "numel": 134515008,
      "density_by_layer_type": {"attention": 0.011, ...},
      "bytes": {"dcr": 1.1e6, "reference": 3.5e6, "dense": 2.7e8}, "payload_bytes": 1.1e6,
+     "bytes_on_links": {"trainer_to_trainer": 6.9e5, "trainer_to_engine": 1.1e6},
+     "bytes_by_host": {"n1": {"trainer_to_trainer": 3.4e5, "trainer_to_engine": 5.2e5,
+                              "trainer_to_other_hosts": 0}, ...},
      "times": {"capture": 0.4, "remap": 0.2, ..., "total": 2.1, "total_slowest_rank": 2.2},
      "verified": true, "error": null, "detected": [],
      "engine_format": {"fp8_elements": 106168320, "fp8_changed": 359000, "scale_changes": 0, ...},
@@ -20,6 +23,10 @@ producer measures them (the demo: ``reward`` ... ``dense_refit_s``; the NeMo-RL 
 training step (the plugin: the sync's number in its session).  ``times`` are the reporting
 trainer rank's seconds, keyed by :class:`nemo_dcr.telemetry.phases.Phase` values plus the totals ``total`` and
 ``total_slowest_rank`` (see :mod:`.phases` for which phases make up ``total``).
+``bytes_on_links`` are the bytes the trainer ranks put on each link, measured from what they
+sent (:attr:`nemo_dcr.refit.RefitReport.bytes_on_links`: routing packs between trainer ranks,
+payloads to the engines); ``bytes_by_host`` the same per host of the sending ranks, with the
+routing bytes addressed to another host (schema 2 added both).
 ``engine_format`` holds the counts of an FP8 engine (:attr:`nemo_dcr.refit.RefitReport.engine_format`;
 empty for a BF16 engine) and ``fp8_density`` its changed FP8 bytes over FP8 elements (null for
 a BF16 engine).
@@ -35,10 +42,10 @@ from pathlib import Path
 from nemo_dcr.telemetry.phases import TOTALS, Phase
 
 TELEMETRY_FILE = "telemetry.jsonl"
-SCHEMA = 1
+SCHEMA = 2
 REQUIRED = ("schema", "step", "version", "mode", "committed", "resynced", "density", "changed", "numel",
-            "density_by_layer_type", "bytes", "payload_bytes", "times", "verified", "error", "detected",
-            "engine_format", "fp8_density")
+            "density_by_layer_type", "bytes", "payload_bytes", "bytes_on_links", "bytes_by_host", "times",
+            "verified", "error", "detected", "engine_format", "fp8_density")
 """Keys of every row (:func:`step_record` fills them from the refit report)."""
 OPTIONAL = {
     "reward": "demo: mean exact reward of the step's rollouts",
@@ -76,7 +83,8 @@ def step_record(step: int, report, **extra) -> dict:
         "density": report.density, "changed": report.changed, "numel": report.numel,
         "density_by_layer_type": kinds,
         "bytes": {**report.bytes_by_encoding, "dense": report.dense_bytes},
-        "payload_bytes": report.payload_bytes,
+        "payload_bytes": report.payload_bytes, "bytes_on_links": report.bytes_on_links,
+        "bytes_by_host": {h: dict(v) for h, v in report.bytes_by_host.items()},
         "times": {k: round(v, 6) for k, v in report.times.items()},
         "verified": report.verified, "error": report.error, "committed": report.committed,
         "resynced": report.resynced, "detected": list(report.detected),
@@ -110,7 +118,7 @@ def check_row(row: dict) -> None:
         if odd:
             problems.append(f"times {odd} are not phases (phases: {[p.value for p in Phase]}; totals: {list(TOTALS)})")
     if problems:
-        raise ValueError("not a telemetry row of schema 1: " + "; ".join(problems))
+        raise ValueError(f"not a telemetry row of schema {SCHEMA}: " + "; ".join(problems))
 
 
 class TelemetryWriter:

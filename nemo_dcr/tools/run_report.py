@@ -6,7 +6,8 @@ Writes into the run folder (or ``out``):
 * ``bytes.png``: payload bytes per step for each measured encoding against the dense refit
   (log scale), with the ratio to dense in the legend;
 * ``times.png``: the refit's phase times per step (stacked) next to the dense refit time;
-* ``report.md``: a per-step table, totals, and the phase seconds per step.
+* ``report.md``: a per-step table (bytes per encoding and per link), totals, and the phase
+  seconds per step.
 
 The phase bars and columns are :func:`time_stack`: every :class:`~nemo_dcr.telemetry.phases.Phase`
 some row recorded, in ``Phase`` order, never a fixed list.  The phases inside the refit's
@@ -85,12 +86,17 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+LINKS = ("trainer_to_trainer", "trainer_to_engine")
+"""The links of ``bytes_on_links``, in table order."""
+
+
 def totals(steps: list[dict]) -> dict:
-    """Run totals: bytes per encoding, ratios to dense, mean density and times, checks."""
+    """Run totals: bytes per encoding and per link, ratios to dense, mean density and times, checks."""
     by_enc = {e: sum(s["bytes"].get(e, 0) for s in steps) for e in encodings(steps)}
     dense = by_enc.get("dense") or 1
     return {
         "steps": len(steps), "bytes": by_enc,
+        "bytes_on_links": {k: sum(s.get("bytes_on_links", {}).get(k, 0) for s in steps) for k in LINKS},
         "ratio_to_dense": {e: b / dense for e, b in by_enc.items()},
         "density_mean": _mean(s.get("density") for s in steps),
         "reward_first": steps[0].get("reward"), "reward_last": steps[-1].get("reward"),
@@ -114,19 +120,22 @@ def markdown(steps: list[dict]) -> str:
     """The summary table (per step, then totals, then phase seconds per step) as markdown."""
     encs = [e for e in encodings(steps) if e != "dense"]
     head = ["step", "mode", "reward", "density"] + [f"{e} MB" for e in encs] + [
-        "dense MB", "delta s", "dense s", "bit-exact"]
+        "dense MB"] + [f"{k} MB" for k in LINKS] + ["delta s", "dense s", "bit-exact"]
     lines = [_row(head), "|" + "---|" * len(head)]
     for s in steps:
         row = [str(s["step"]), s.get("mode", ""), _fmt(s.get("reward"), ".3f"),
                _fmt(s.get("density"), ".3%")]
         row += [_fmt(s["bytes"].get(e, 0) / 1e6, ".3f") for e in encs]
-        row += [_fmt(s["bytes"].get("dense", 0) / 1e6, ".1f"),
-                _fmt(s.get("times", {}).get(TOTAL), ".2f"), _fmt(s.get("dense_refit_s"), ".2f"),
+        row += [_fmt(s["bytes"].get("dense", 0) / 1e6, ".1f")]
+        row += [_fmt(s.get("bytes_on_links", {}).get(k, 0) / 1e6, ".3f") for k in LINKS]
+        row += [_fmt(s.get("times", {}).get(TOTAL), ".2f"), _fmt(s.get("dense_refit_s"), ".2f"),
                 {True: "yes", False: "NO", None: "-"}[s.get("bit_exact")]]
         lines.append(_row(row))
     t = totals(steps)
     lines += ["", "| total | bytes | vs dense |", "|---|---|---|"]
     lines += [f"| {e} | {b:,} | {t['ratio_to_dense'][e]:.4%} |" for e, b in t["bytes"].items()]
+    lines += [f"| {k} (link) | {b:,} | {b / (t['bytes'].get('dense') or 1):.4%} |"
+              for k, b in t["bytes_on_links"].items()]
     lines += ["", f"- steps: {t['steps']}, bit-exact steps: {t['bit_exact_steps']}, "
               f"verified: {t['verified_steps']}",
               f"- mean density: {_fmt(t['density_mean'], '.3%')}",

@@ -42,6 +42,12 @@ def _demo(tmp_path, steps: int, *overrides: str) -> dict:
     assert s["bit_exact_steps"] == steps and s["modes"] == ["delta"] * steps
     assert 0 < s["density_mean"] < 0.05
     assert 0 < s["delta_bytes_total"] < s["dense_bytes_total"] / 50
+    links = s["bytes_on_links_total"]
+    assert s["delta_bytes_total"] == links["trainer_to_trainer"] + links["trainer_to_engine"]
+    assert links["trainer_to_engine"] == sum(json.loads(x)["payload_bytes"] for x in
+                                             (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines())
+    if s["engine_weights"] != "fp8":  # FP8: the owners requantize whole blocks from BF16 changes
+        assert 0 < links["trainer_to_trainer"] <= links["trainer_to_engine"], links
     for key in ("reward_first", "reward_last", "refit_seconds_delta", "refit_seconds_dense"):
         assert s[key] is not None
     lines = (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines()
@@ -80,7 +86,7 @@ def test_fp8_transformers_engine_one_step_bit_exact_against_independent_requanti
     f = s["fp8"]
     assert f["bit_exact_per_step"] == [True] and 0 < f["fp8_changed"] < f["fp8_elements"]
     assert 0 < f["fp8_density_per_step"][0] < s["density_mean"]  # few BF16 changes move an e4m3 byte
-    assert f["fp8_delta_bytes_per_step"] == [s["delta_bytes_total"]]
+    assert f["fp8_delta_bytes_per_step"] == [s["bytes_on_links_total"]["trainer_to_engine"]]
     assert 0 < f["fp8_delta_bytes_per_step"][0] < f["bf16_delta_bytes_per_step"][0]
     assert f["fp8_dense_bytes_per_step"] == [s["dense_bytes_total"]]
     assert f["fp8_weights_dense_bytes"] < s["dense_bytes_total"] and len(f["scale_changes_per_step"]) == 1

@@ -97,4 +97,9 @@ def test_grpo_sbatch_on_two_nodes(tmp_path):
     assert s["steps"] == 1 and s["checked_steps"] == 1 and s["bit_exact_steps"] == 1
     line = json.loads((run / "telemetry.jsonl").read_text().splitlines()[0])
     assert line["bit_exact"] is True and line["mode"] == "delta"
+    hosts = s["bytes_by_host_total"]  # measured per sending host: owners sit in their stage's node
+    assert sorted(hosts) == ["n1", "n2"] and all(h["trainer_to_other_hosts"] == 0 for h in hosts.values())
+    assert hosts["n2"]["trainer_to_engine"] > 0  # n2's owners' payloads cross to the engine on n1
+    links = s["bytes_on_links_total"]
+    assert 0 < links["trainer_to_trainer"] <= links["trainer_to_engine"], links
     _assert_torn_down(proc.stderr)

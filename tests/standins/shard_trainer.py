@@ -66,6 +66,10 @@ class ShardTrainer:
         return [SparseDelta(delta.name, delta.dtype, tuple(self.shapes[delta.name]),
                             delta.positions + self.offsets[delta.name], delta.new_bits, delta.old_bits)]
 
+    def captured(self) -> dict[str, int]:
+        """Elements of each canonical tensor this rank captures (its rows)."""
+        return {n: p.numel() for n, p in self.params.items()}
+
     def pieces(self) -> list[SparseDelta]:
         """Every element as canonical pieces with zero old bits."""
         out = []

@@ -200,14 +200,13 @@ def test_merge_sorts_and_refuses_overlap():
 
 
 def test_owners_balance_by_size_and_pack_roundtrips():
-    from nemo_dcr.refit.routing import assign_owners, pack, unpack
+    from nemo_dcr.refit.routing import Coding, PackEntry, assign_owners, pack, unpack
 
     assert assign_owners({"x": 100, "y": 60, "z": 50}, 2) == {"x": 0, "y": 1, "z": 1}
-    d = SparseDelta("x", "bf16", (8, 4), np.array([1, 9, 30]), np.array([7, 8, 9], np.uint16),
-                    np.array([1, 2, 3], np.uint16))
-    back = unpack(pack([d]))[0]
-    assert back.positions.tolist() == [1, 9, 30] and back.new_bits.tolist() == [7, 8, 9]
-    assert back.old_bits.tolist() == [1, 2, 3] and back.shape == (8, 4) and back.dtype == "bf16"
+    e = PackEntry(2, Coding.DCR, 3, 11, 12, b"body")
+    back = unpack(pack([e], 1, 0, KEY), 1, 0, KEY, 3)[0]
+    assert (back.tensor, back.coding, back.count, back.base, back.target, bytes(back.body)) == (2, Coding.DCR, 3,
+                                                                                                  11, 12, b"body")
 
 
 class _DigestsFail(TensorEngine):

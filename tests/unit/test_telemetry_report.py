@@ -32,7 +32,7 @@ DEMO = dict(reward=0.1, shaped_reward=0.2, loss=0.0, rollout_version=1, bit_exac
 
 def _report(step: int, times: dict) -> RefitReport:
     return RefitReport(step, "delta", True, changed=1000 * step, numel=100_000, payload_bytes=700 * step,
-                       dense_bytes=200_000, bytes_by_encoding={"dcr": 700 * step, "reference": 2000 * step},
+                       route_bytes=400 * step, dense_bytes=200_000, bytes_by_encoding={"dcr": 700 * step, "reference": 2000 * step},
                        by_layer_type={"mlp": {"changed": 600 * step, "numel": 60_000},
                                       "norms": {"changed": 1, "numel": 40_000}},
                        times=times, verify=VerifyReport(step, False, 2))
@@ -57,12 +57,15 @@ def test_records_and_totals(tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[1]["density_by_layer_type"] == {"mlp": 0.02, "norms": 1 / 40_000}
     assert steps[0]["bytes"] == {"dcr": 700, "reference": 2000, "dense": 200_000}
+    assert steps[2]["bytes_on_links"] == {"trainer_to_trainer": 1200, "trainer_to_engine": 2100}
     t = totals(steps)
     assert t["bytes"]["dcr"] == 4200 and t["ratio_to_dense"]["dense"] == 1.0
+    assert t["bytes_on_links"] == {"trainer_to_trainer": 2400, "trainer_to_engine": 4200}
     assert t["bit_exact_steps"] == 3 and abs(t["density_mean"] - 0.02) < 1e-12
     assert t["phase_seconds_mean"][OTHER] == pytest.approx(0.03)
     md = markdown(steps)
-    assert "| 3 | delta | 0.300 | 3.000% | 0.002 | 0.006 | 0.2 | 0.30 | 1.00 | yes |" in md
+    assert "| 3 | delta | 0.300 | 3.000% | 0.002 | 0.006 | 0.2 | 0.001 | 0.002 | 0.30 | 1.00 | yes |" in md
+    assert "| trainer_to_trainer (link) | 2,400 | 0.4000% |" in md
     assert "| step | mode | capture | send | await | other | total | total_slowest_rank | telemetry (not in total) |" \
         in md
     check_phases_shown(steps, md)
@@ -95,6 +98,11 @@ def test_a_row_of_another_schema_is_refused_naming_its_line(tmp_path):
     (tmp_path / "telemetry.jsonl").write_text(good + "\n" + json.dumps(old_plugin_row) + "\n")
     with pytest.raises(ValueError, match=r"telemetry.jsonl:2: .*missing keys .*'bytes'.*unknown keys .*'seconds'"):
         write_report(tmp_path)
+    schema1 = {k: v for k, v in json.loads(good).items() if k not in ("bytes_on_links", "bytes_by_host")}
+    (tmp_path / "telemetry.jsonl").write_text(json.dumps(dict(schema1, schema=1)) + "\n")
+    with pytest.raises(ValueError, match=r"telemetry.jsonl:1: .*schema 1, expected 2; missing keys "
+                                         r"\['bytes_on_links', 'bytes_by_host'\]"):
+        read_steps(tmp_path)
     bad_phase = dict(json.loads(good), times={"transfer": 0.1, "total": 0.2})
     (tmp_path / "telemetry.jsonl").write_text(json.dumps(bad_phase) + "\n")
     with pytest.raises(ValueError, match=r"telemetry.jsonl:1: .*times \['transfer'\] are not phases"):
@@ -108,7 +116,7 @@ def test_only_rows_of_the_schema_are_written(tmp_path):
     with pytest.raises(ValueError, match="times \\['apply'\\] are not phases"):
         step_record(1, _report(1, {"apply": 0.2}))
     with pytest.raises(ValueError, match="missing keys"):
-        w.write({"schema": 1, "step": 1})
+        w.write({"schema": 2, "step": 1})
     assert (tmp_path / "telemetry.jsonl").read_text() == ""
 
 

@@ -17,9 +17,10 @@ import pytest
 
 from nemo_dcr.integrations.nemo_rl.session import Topology, policy_metadata, rollout_metadata
 from nemo_dcr.refit.messages import Ask, EngineReply, MessageFormatError, Query
-from nemo_dcr.refit.routing import RoutingPackError, pack, unpack
+from nemo_dcr.refit.route_views import Router
+from nemo_dcr.refit.routing import Coding, PackEntry, RoutingPackError, gather_captured, pack, unpack
 from nemo_dcr.transport import Envelope, MessageKind, TransportError
-from nemo_dcr.types import SparseDelta
+from nemo_dcr.verify.checksum import tensor_checksum
 
 KEY = b"wire-format-key-0123456789abcdef"
 
@@ -189,44 +190,157 @@ def test_placement_entries_are_refused_naming_the_tensor():
 
 # -- 7.5 routing pack -------------------------------------------------------------------------------
 
-DELTA = SparseDelta("w", "bf16", (2, 3), np.array([1, 4]), np.array([0x3F80, 0xBF80], np.uint16),
-                    np.array([0, 1], np.uint16))
+def _pack_bytes(rows, bodies, *, sender=1, receiver=0, key=None, magic=b"NDCP", version=2, flags=None,
+                entries=None) -> bytes:
+    flags = (1 if key else 0) if flags is None else flags
+    data = magic + struct.pack("<BBiiI", version, flags, sender, receiver, len(rows) if entries is None else entries)
+    data += b"".join(struct.pack("<IBQQQQ", *row) for row in rows) + b"".join(bodies)
+    return data + (hmac.new(key, data, hashlib.sha256).digest() if key else b"")
 
 
-def _pack_bytes(head, *arrays) -> bytes:
-    raw = json.dumps(head).encode()
-    return struct.pack("<Q", len(raw)) + raw + b"".join(arrays)
+VIEW_BODY = struct.pack("<Q2q2q", 2, 1, 4, 2, 1) + struct.pack("<3H", 0x3F80, 0xBF80, 7)
+ROWS = [(1, 1, 3, len(VIEW_BODY), 0, 0xABC), (0, 2, 2, 2, 5, 6)]
 
 
 def test_routing_pack_bytes():
-    head = [{"name": "w", "dtype": "bf16", "shape": [2, 3], "nnz": 2, "old": True}]
-    want = _pack_bytes(head, struct.pack("<2q", 1, 4), struct.pack("<2H", 0x3F80, 0xBF80), struct.pack("<2H", 0, 1))
-    assert pack([DELTA]) == want
-    back = unpack(want)[0]
-    assert (back.name, back.dtype, back.shape, back.positions.tolist(), back.new_bits.tolist(),
-            back.old_bits.tolist()) == ("w", "bf16", (2, 3), [1, 4], [0x3F80, 0xBF80], [0, 1])
-    assert pack([]) == struct.pack("<Q", 2) + b"[]" and unpack(pack([])) == []
+    entries = [PackEntry(1, Coding.VIEW, 3, 0, 0xABC, VIEW_BODY), PackEntry(0, Coding.DCR, 2, 5, 6, b"\1\2")]
+    for key in (None, KEY):
+        want = _pack_bytes(ROWS, [VIEW_BODY, b"\1\2"], key=key)
+        assert pack(entries, 1, 0, key) == want and len(want) == 18 + 2 * 37 + len(VIEW_BODY) + 2 + (32 if key else 0)
+        back = unpack(want, 1, 0, key, tensors=2)
+        assert [(e.tensor, e.coding, e.count, e.base, e.target, bytes(e.body)) for e in back] == \
+            [(1, Coding.VIEW, 3, 0, 0xABC, VIEW_BODY), (0, Coding.DCR, 2, 5, 6, b"\1\2")]
+    assert pack([], 1, 0, None) == b"NDCP" + struct.pack("<BBiiI", 2, 0, 1, 0, 0)
 
 
-H = {"name": "w", "dtype": "bf16", "shape": [2, 3], "nnz": 1, "old": False}
-ARR = struct.pack("<q", 1) + struct.pack("<H", 7)
+GOOD = _pack_bytes(ROWS, [VIEW_BODY, b"\1\2"], key=KEY)
+_V1_HEAD = json.dumps([{"name": "w", "dtype": "bf16", "shape": [2, 3], "nnz": 1, "old": False}]).encode()
+V1 = struct.pack("<Q", len(_V1_HEAD)) + _V1_HEAD + struct.pack("<qH", 1, 7)
 
 
-@pytest.mark.parametrize("data, why", [
-    (b"\1\0", "shorter than its 8-byte head length"),
-    (struct.pack("<Q", 99) + b"[]", "head of 99 bytes, but only 2 follow"),
-    (struct.pack("<Q", 2) + b"{}", "head is a JSON dict, not a list"),
-    (_pack_bytes([{**H, "x": 1}], ARR), "entry 0: keys"),
-    (_pack_bytes([{**H, "dtype": "int8"}], ARR), "dtype 'int8'"),
-    (_pack_bytes([{**H, "old": 1}], ARR), "old 1"),
-    (_pack_bytes([{**H, "nnz": -1}]), "nnz -1 must be non-negative"),
-    (_pack_bytes([{**H, "nnz": 2}], ARR), "entry 0 \\(w\\): 20 bytes of arrays at offset"),
-    (_pack_bytes([H], ARR, b"\0"), "1 bytes after its last array"),
-    (_pack_bytes([H], struct.pack("<q", 6) + struct.pack("<H", 7)), r"positions outside \[0, 6\)"),
+@pytest.mark.parametrize("data, key, why", [
+    (b"NDCP\2\0", None, "6 bytes, shorter than its 18-byte head"),
+    (_pack_bytes([], [], magic=b"NDCR"), None, "magic b'NDCR', expected b'NDCP'"),
+    (V1, None, r"magic b'I\\x00\\x00\\x00', expected b'NDCP'"),  # a version 1 pack: JSON head length first
+    (_pack_bytes([], [], version=1), None, "format version 1, this reader reads 2"),
+    (_pack_bytes([], [], flags=2), None, "flags 0x2, expected 0x0"),
+    (_pack_bytes([], []), KEY, "flags 0x0, expected 0x1 \\(a MAC: the refit has a key\\)"),
+    (GOOD, None, "flags 0x1, expected 0x0"),
+    (GOOD[:-1] + bytes([GOOD[-1] ^ 1]), KEY, "MAC does not match"),
+    (GOOD[:30] + bytes([GOOD[30] ^ 1]) + GOOD[31:], KEY, "MAC does not match"),
+    (_pack_bytes([], [], sender=2), None, "from trainer rank 1 to 0: the head names sender 2 and receiver 0"),
+    (_pack_bytes([], [], receiver=3), None, "names sender 1 and receiver 3"),
+    (_pack_bytes(ROWS[:1], [], entries=3), None, "a table of 3 entries needs 129 bytes"),
+    (_pack_bytes([(0, 2, 1, 99, 0, 0)], [b"x"]), None, "entry 0: body of 99 bytes at offset 55"),
+    (_pack_bytes([(0, 2, 1, 1, 0, 0)], [b"xy"]), None, "1 bytes after the last body"),
+    (_pack_bytes([(0, 7, 1, 0, 0, 0)], []), None, "entry 0: coding 7, known \\[1, 2\\]"),
+    (_pack_bytes([(5, 2, 1, 0, 0, 0)], []), None, "entry 0: tensor 5 outside the 2 canonical tensors"),
+    (_pack_bytes([(0, 2, 1, 0, 0, 0)] * 2, []), None, "entry 1: tensor 0 twice"),
 ])
-def test_malformed_routing_packs_are_refused_naming_what(data, why):
+def test_malformed_routing_packs_are_refused_naming_what(data, key, why):
     with pytest.raises(RoutingPackError, match=why):
-        unpack(data)
+        unpack(data, 1, 0, key, tensors=2)
+
+
+class _Scripted:
+    """Trainer rank 0 of two, whose exchanges return the scripted packs from rank 1."""
+
+    rank, size = 0, 2
+
+    def __init__(self):
+        self.script = []
+
+    def exchange(self, outgoing):
+        self.sent = list(outgoing)
+        return [outgoing[0], self.script.pop(0)]
+
+
+def _owner_of(tensors: dict):
+    """A router on rank 0 owning ``tensors`` (name -> numel, bf16) and one tensor of rank 1's."""
+    group = _Scripted()
+    canonical = {n: ("bf16", (k,)) for n, k in {**tensors, "z.other": 4}.items()}
+    owners = {**{n: 0 for n in tensors}, "z.other": 1}
+    return group, Router(group, owners, canonical, None)
+
+
+def _view(runs, bits, tensor=0, target=None) -> bytes:
+    bits = np.asarray(bits, np.uint16)
+    body = struct.pack(f"<Q{len(runs)}q{len(runs)}q", len(runs), *[c for c, _ in runs], *[n for _, n in runs])
+    body += bits.astype("<u2").tobytes()
+    target = tensor_checksum(bits) if target is None else target
+    return _pack_bytes([(tensor, 1, bits.size, len(body), 0, target)], [body])
+
+
+@pytest.mark.parametrize("pack_, why", [
+    (_pack_bytes([(1, 1, 0, 8, 0, 0)], [struct.pack("<Q", 0)]), "entry 0 \\(z.other\\): owned by trainer rank 1, "
+                                                                 "not by rank 0"),
+    (_view([(2, 3)], [1, 2, 3])[:-1], "1 bytes after|body of"),
+    (_pack_bytes([(0, 1, 3, 8, 0, 0)], [struct.pack("<Q", 1)]), "a view of 1 runs and 3 elements takes 30 bytes, "
+                                                                "the body has 8"),
+    (_view([(2, 3), (4, 1)], [1, 2, 3, 4]), "runs must be non-empty, increasing, disjoint and inside \\[0, 8\\)"),
+    (_view([(6, 3)], [1, 2, 3]), "inside \\[0, 8\\)"),
+    (_view([(2, 0)], []), "non-empty"),
+    (_view([(2, 3)], [1, 2, 3], target=5), "view bits have checksum [0-9a-f]{16}, the entry says 0000000000000005"),
+])
+def test_malformed_view_entries_are_refused_and_change_nothing(pack_, why):
+    group, router = _owner_of({"a.w": 8})
+    group.script.append(pack_)
+    with pytest.raises(RoutingPackError, match=why):
+        router.route([])
+    assert router.incoming == {}
+
+
+def test_malformed_change_entries_are_refused_and_stage_nothing():
+    from nemo_dcr.codec.dcr import encode_dcr
+    from nemo_dcr.types import DTYPES
+
+    group, router = _owner_of({"a.w": 8, "b.w": 8})
+    bits = np.array([0x3F80, 0x3F81, 0x4000, 0xBF80], np.uint16)  # rank 1's view: canonical 2..5 of a.w
+    group.script.append(_view([(2, 4)], bits))
+    (a,) = router.route([], attach=True)
+    assert a.positions.tolist() == [2, 3, 4, 5] and a.new_bits.tolist() == bits.tolist()
+    base = tensor_checksum(bits)
+    new = np.array([0x3F82, 0xBF81], np.uint16)
+    body = encode_dcr(bits, np.array([1, 3]), new, DTYPES["bf16"])
+    after = bits.copy()
+    after[[1, 3]] = new
+    good = (0, 2, 2, len(body), base, tensor_checksum(after))
+    cases = [
+        (_pack_bytes([(1, *good[1:])], [body]), "entry 0 \\(b.w\\): changes of a view this rank was never sent"),
+        (_pack_bytes([(*good[:4], base ^ 1, good[5])], [body]), "coded against view bits with checksum"),
+        (_pack_bytes([good], [b"\xff" * len(body)]), "entry 0 \\(a.w\\): record 'a.w': dcr body \\(wire format 4.4\\)"),
+        (_pack_bytes([(*good[:5], 7)], [body]), "not the entry's target 0000000000000007"),
+        (_pack_bytes([(0, 2, 3, *good[3:])], [body]), "decoded 2 changes for a count of 3"),
+    ]
+    for data, why in cases:
+        group.script.append(data)
+        with pytest.raises(RoutingPackError, match=why):
+            router.route([])
+        assert router.incoming[("a.w", 1)].staged is None
+    group.script.append(_pack_bytes([good], [body]))
+    (d,) = router.route([])
+    assert d.positions.tolist() == [3, 5] and d.new_bits.tolist() == new.tolist() and d.old_bits.tolist() == [
+        0x3F81, 0xBF80]
+
+
+def test_captured_counts_message():
+    import socket
+
+    group = _Scripted()
+    group.script.append(b'{"host": "n2", "captured": [[1, 5]]}')
+    m = gather_captured(group, {"a": 3, "b": 0}, ["a", "b"])
+    assert group.sent == [json.dumps({"host": socket.gethostname(), "captured": [[0, 3]]}).encode()] * 2
+    assert m.hosts == (socket.gethostname(), "n2") and m.shares == {"a": {0: 3}, "b": {1: 5}}
+
+
+@pytest.mark.parametrize("blob", [b"{", b"[]", b'{"host": 1, "captured": []}', b'{"host": "h"}',
+                                  b'{"host": "h", "captured": [[2, 1]]}', b'{"host": "h", "captured": [[0, 0]]}',
+                                  b'{"host": "h", "captured": [[0, true]]}', b'{"host": "h", "captured": [[0]]}'])
+def test_captured_counts_of_another_form_are_refused_naming_the_member(blob):
+    group = _Scripted()
+    group.script.append(blob)
+    with pytest.raises(RoutingPackError, match="captured counts of trainer rank 1: not "):
+        gather_captured(group, {"a": 3}, ["a", "b"])
 
 
 # -- 7.6 NeMo-RL session metadata -------------------------------------------------------------------

@@ -117,6 +117,14 @@ class MegatronSource:
             self._runs[key] = _row_runs(self.plans[lp.chunk], lp.name, lo, hi, width)
         return self._runs[key]
 
+    def captured(self) -> dict[str, int]:
+        """Canonical name -> elements of it in the captured slices (from the runs)."""
+        out: dict[str, int] = {}
+        for key in self.ranges:
+            for name, runs in self.runs(key).items():
+                out[name] = out.get(name, 0) + int(runs.length.sum())
+        return out
+
     def checksums(self) -> dict[str, int]:
         """Partial canonical checksums of the captured slices (full scan of the live params)."""
         sums: dict[str, int] = {}

@@ -39,16 +39,19 @@ def eta(done: int, total: int, seconds_per_step: float) -> str:
 
 
 def step_line(rec: dict, steps: int, eta_text: str) -> str:
-    """One line per step: reward, density, bytes, delta vs dense time, bit-exact, ETA."""
+    """One line per step: reward, density, bytes (the payload to the engine, as the other encodings
+    and dense would be, then the routing between trainer ranks), delta vs dense time, bit-exact, ETA."""
     others = " ".join(f"{k} {v / 1e6:.2f} MB," for k, v in sorted(rec["bytes"].items())
                       if k not in ("dense", rec.get("encoding")))
-    sent = rec["payload_bytes"] / 1e6
+    routed = (rec.get("bytes_on_links") or {}).get("trainer_to_trainer", 0)
+    routed_text = f" + {routed / 1e6:.2f} MB between trainer ranks" if routed else ""
     exact = {True: "bit-exact", False: "MISMATCH", None: "unchecked"}[rec["bit_exact"]]
     fp8 = f", FP8 density {rec['fp8_density']:.3%}" if rec.get("fp8_density") is not None else ""
     dense = rec.get("dense_refit_s")
     return (f"step {rec['step']}/{steps}  reward {rec['reward']:.2f} (with partial credit "
-            f"{rec['shaped_reward']:.2f})  density {rec['density']:.2%}{fp8}  sent {sent:.2f} MB "
-            f"({others} dense {rec['bytes']['dense'] / 1e6:.0f} MB)  refit {rec['times'].get('total', 0):.2f} s "
+            f"{rec['shaped_reward']:.2f})  density {rec['density']:.2%}{fp8}  sent "
+            f"{rec['payload_bytes'] / 1e6:.2f} MB to the engine ({others} dense {rec['bytes']['dense'] / 1e6:.0f} MB)"
+            f"{routed_text}  refit {rec['times'].get('total', 0):.2f} s "
             f"vs dense {dense if dense is not None else float('nan'):.2f} s "
             f"({_ratio(rec['times'].get('total'), dense)})  {exact}  {eta_text}")
 
@@ -69,7 +72,7 @@ def summarize(cfg, steps: list[dict], init, seconds: float, dense_method: str) -
         "reward_mean_first_third": _mean(s["reward"] for s in steps[:half]),
         "reward_mean_last_third": _mean(s["reward"] for s in steps[-half:]),
         "density_mean": _mean(s["density"] for s in steps),
-        "delta_bytes_total": sum(s["payload_bytes"] for s in steps),
+        **_links_summary(steps),
         "dense_bytes_total": sum(s["bytes"]["dense"] for s in steps),
         "bytes_by_encoding_total": {k: sum(s["bytes"].get(k, 0) for s in steps) for k in steps[0]["bytes"]},
         "bit_exact_steps": sum(1 for s in steps if s["bit_exact"]),
@@ -88,6 +91,30 @@ def summarize(cfg, steps: list[dict], init, seconds: float, dense_method: str) -
     }
 
 
+def _links_summary(steps: list[dict]) -> dict:
+    """Bytes on every link over the run's steps, from what was sent: ``bytes_on_links_total``
+    (trainer-to-trainer routing, trainer-to-engine payloads), their sum ``delta_bytes_total``, and
+    ``bytes_by_host_total`` (per host of the sending ranks, with the routing to other hosts)."""
+    links = {k: sum(s["bytes_on_links"][k] for s in steps) for k in steps[0]["bytes_on_links"]}
+    hosts: dict[str, dict[str, int]] = {}
+    for s in steps:
+        for h, v in s["bytes_by_host"].items():
+            for k, b in v.items():
+                hosts.setdefault(h, {}).setdefault(k, 0)
+                hosts[h][k] += b
+    return {"delta_bytes_total": sum(links.values()), "bytes_on_links_total": links, "bytes_by_host_total": hosts}
+
+
+def _links_text(links: dict, total: str) -> str:
+    """Bytes per link, the payload first (what the other encodings' and dense figures compare
+    with), then the routing between trainer ranks and their sum when there is any."""
+    payload, routed = links.get("trainer_to_engine", 0) / 1e6, links.get("trainer_to_trainer", 0) / 1e6
+    if not routed:
+        return f"{payload:.2f} MB{total}"
+    return (f"{payload:.2f} MB to the engine + {routed:.2f} MB between trainer ranks = "
+            f"{payload + routed:.2f} MB{total}")
+
+
 def table(summary: dict, run_dir: str, files: list[str]) -> str:
     """The closing table a person reads (the JSON stays in ``summary.json``)."""
     s, mb = summary, 1e6
@@ -99,9 +126,9 @@ def table(summary: dict, run_dir: str, files: list[str]) -> str:
         ("steps", f"{s['steps']}, bit-exact {s['bit_exact_steps']}/{s['checked_steps']} (the engine equals its own "
                   "full load of the same weights)"),
         ("reward", reward),
-        ("bytes", f"{s['encoding']} {s['delta_bytes_total'] / mb:.2f} MB sent vs dense "
+        ("bytes", f"{s['encoding']} {_links_text(s['bytes_on_links_total'], ' sent')} vs dense "
                   f"{s['dense_bytes_total'] / mb:.0f} MB ({s['delta_bytes_total'] / max(s['dense_bytes_total'], 1):.2%})"
-                  + (f"; the same changes as {others}" if others else "")),
+                  + (f"; the same changes as {others} to the engine" if others else "")),
         ("refit time", f"{s['refit_seconds_delta']:.2f} s per step vs efficient dense refit "
                        f"{s['refit_seconds_dense'] or float('nan'):.2f} s "
                        f"({_ratio(s['refit_seconds_delta'], s['refit_seconds_dense'])})"),

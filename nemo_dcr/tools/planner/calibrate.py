@@ -2,7 +2,7 @@
 
 Every figure times the function the refit path calls: the capture scan
 (:func:`nemo_dcr.kernels.scan_changes`), the remap of a real layout plan, routing
-(:func:`~nemo_dcr.refit.routing.pack` / ``unpack`` / ``merge``), the codec
+(:class:`~nemo_dcr.refit.route_views.Router`: ``dcr`` against each sender's view), the codec
 (:func:`~nemo_dcr.codec.encode_deltas`, :func:`~nemo_dcr.codec.decode`) and the engine's write
 with undo log and read-back (:class:`nemo_dcr.apply.transaction.UndoLog`).  Data: a real step of
 ``nemo-dcr make-deltas`` when a run folder is given, else an Adam-like step on random weights.
@@ -30,7 +30,7 @@ from nemo_dcr.apply.transaction import UndoLog
 from nemo_dcr.codec import Identity, decode, encode_deltas, inspect
 from nemo_dcr.kernels import read_bits, scan_changes
 from nemo_dcr.layout import ParallelLayout, build_plan, model_dims
-from nemo_dcr.refit.routing import merge, pack, unpack
+from nemo_dcr.refit.route_views import Router
 from nemo_dcr.types import SparseDelta, bits_view, carrier, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
 
@@ -118,12 +118,44 @@ def _remap_rate() -> float:
     return idx.numel() / best_of(lambda: plan.remap(name, idx))
 
 
-def _route_rate(deltas: list[SparseDelta], ranks: int = 4) -> float:
-    """Changes per second packed, unpacked and merged (pieces of each tensor from ``ranks`` senders)."""
-    pieces = [SparseDelta(d.name, d.dtype, d.shape, d.positions[r::ranks], d.new_bits[r::ranks],
-                          d.old_bits[r::ranks]) for d in deltas for r in range(ranks)]
-    n = sum(d.nnz for d in deltas)
-    return n / best_of(lambda: merge(unpack(pack(pieces))))
+class _Relay:
+    """Trainer-group stand-in that lets one thread time a route: ranks ``1..size-1`` send, rank 0
+    (the owner of everything) receives what they handed over."""
+
+    def __init__(self, rank: int, size: int, mailbox: dict):
+        self.rank, self.size, self.mailbox = rank, size, mailbox
+
+    def exchange(self, outgoing):
+        if self.rank:
+            self.mailbox[self.rank] = outgoing[0]
+            return [bytes(outgoing[r]) if r == self.rank else b"" for r in range(self.size)]
+        return [bytes(outgoing[0])] + [self.mailbox.pop(r, b"") for r in range(1, self.size)]
+
+
+def _route_rate(deltas: list[SparseDelta], pair, ranks: int = 4) -> float:
+    """Changes per second routed (:class:`~nemo_dcr.refit.route_views.Router`): ``ranks`` senders
+    each capturing a contiguous quarter of every tensor code their changes against their view with
+    its kept index, the owner decodes and merges them."""
+    canonical = {d.name: (d.dtype, d.shape) for d in deltas}
+    mailbox: dict = {}
+    routers = [Router(_Relay(r, ranks + 1, mailbox), {n: 0 for n in canonical}, canonical) for r in range(ranks + 1)]
+
+    def share(d: SparseDelta, r: int, attach: bool) -> SparseDelta:
+        lo, hi = d.numel * (r - 1) // ranks, d.numel * r // ranks
+        if attach:
+            return SparseDelta(d.name, d.dtype, d.shape, np.arange(lo, hi), bits_view(pair[d.name][0])[lo:hi].copy())
+        sel = (d.positions >= lo) & (d.positions < hi)
+        return SparseDelta(d.name, d.dtype, d.shape, d.positions[sel], d.new_bits[sel], d.old_bits[sel])
+
+    def route(attach: bool = False):
+        for r in range(1, ranks + 1):
+            routers[r].route([share(d, r, attach) for d in deltas], attach)
+        routers[0].route([], attach)
+        for router in routers:
+            router.end(attach)  # the timed refits never commit: every repeat routes the same changes
+
+    route(attach=True)
+    return sum(d.nnz for d in deltas) / best_of(route)
 
 
 def _apply_rate(deltas: list[SparseDelta], pair) -> float:
@@ -156,7 +188,7 @@ def calibrate(run: str | None = None, elements: int = 1 << 24) -> dict:
     deltas = _deltas(pair)
     scan, copy = _scan_and_copy(elements)
     dcr, ref = _codec(pair, "dcr"), _codec(pair, "reference")
-    kernels = Kernels(scan_gbps=scan, remap_per_s=_remap_rate(), route_per_s=_route_rate(deltas),
+    kernels = Kernels(scan_gbps=scan, remap_per_s=_remap_rate(), route_per_s=_route_rate(deltas, pair),
                       encode_pass_gbps=dcr["encode_pass_gbps"], encode_per_s=dcr["encode_per_s"],
                       decode_pass_gbps=dcr["decode_pass_gbps"], decode_per_s=dcr["decode_per_s"],
                       apply_per_s=_apply_rate(deltas, pair),

@@ -47,7 +47,8 @@ def validate(run_dir: str | Path, fig: Figures) -> dict:
     """Predicted vs measured bytes and seconds per refit step, with pass/fail against the targets."""
     plan, s = plan_for_run(run_dir, fig)
     steps = s["steps"]
-    bytes_measured = s["delta_bytes_total"] / steps
+    payload = s.get("bytes_on_links_total", {}).get("trainer_to_engine", s["delta_bytes_total"])  # runs before links: the payload
+    bytes_measured = payload / steps
     bytes_ratio = plan.payload_bytes / bytes_measured
     time_ratio = plan.refit_seconds / s["refit_seconds_delta"]
     phases = s.get("phase_seconds_mean", {})
