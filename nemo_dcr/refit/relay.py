@@ -21,7 +21,9 @@ from nemo_dcr.config.schema import ConfigError, DcrConfig
 
 def relay_groups(engine_ranks: Sequence[int], per_replica: int, nodes: Sequence[Hashable] | None = None,
                  roots: str = "view") -> list[list[int]]:
-    """Relay groups of an engine layout, root first.
+    """Relay groups of an engine layout, root first: the root of position ``i``'s views is its rank
+    in replica ``i % replicas``, so the roots of a replica's views spread over the replicas (and
+    their nodes' links to the trainers) instead of all landing on replica 0.
 
     Args:
         engine_ranks: engine ranks in replica-major order: replica ``r`` is
@@ -42,10 +44,13 @@ def relay_groups(engine_ranks: Sequence[int], per_replica: int, nodes: Sequence[
         raise ConfigError("dcr.fanout_roots", f"must be one of ['view', 'node'], got {roots!r}")
     if roots == "node" and (nodes is None or len(nodes) != len(ranks)):
         raise ConfigError("dcr.fanout_roots", "node roots need the node of every engine rank")
+    replicas = len(ranks) // per_replica
     groups: dict[tuple, list[int]] = {}
-    for k, e in enumerate(ranks):
-        key = (k % per_replica,) + ((nodes[k],) if roots == "node" else ())
-        groups.setdefault(key, []).append(e)
+    for i in range(per_replica):
+        for r in range(replicas):
+            k = ((i + r) % replicas) * per_replica + i  # position i, replicas from i % replicas on
+            key = (i,) + ((nodes[k],) if roots == "node" else ())
+            groups.setdefault(key, []).append(ranks[k])
     return list(groups.values())
 
 

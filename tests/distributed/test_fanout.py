@@ -73,3 +73,29 @@ def test_a_failing_replica_is_resynced_alone(runs):
         root_fault = faults[-1]
         assert all(any(e.startswith("replay") for e in _events(run, "relay", k, root_fault["version"]))
                    for k in range(1, r))
+
+
+def test_the_planner_fan_out_model_matches_the_measured_bytes(runs):
+    """``nemo-dcr plan --fanout``: direct over relay cross-link bytes, and relayed over crossed
+    bytes, as the planner predicts them for R replicas and as this run measured them."""
+    from dataclasses import replace
+
+    from nemo_dcr.layout import MegatronSpec, ParallelLayout, model_dims
+    from nemo_dcr.tools.planner import figures as F
+    from nemo_dcr.tools.planner.estimate import make_plan
+    from nemo_dcr.tools.planner.inputs import EngineDeployment, PlanSetup
+    from nemo_dcr.tools.planner.presets import CPU_HOST, LOOPBACK
+
+    dims, fig = model_dims("smollm2"), F.default_figures(density=0.01)
+    base = PlanSetup(ParallelLayout(), EngineDeployment(), links=replace(LOOPBACK, cross_cluster_gbps=0.1),
+                     hardware=CPU_HOST, placement="cross-cluster")
+    for r, run in runs.items():
+        direct, relay = summarize(run)
+        plans = {f: make_plan("smollm2", dims, replace(base, engine=EngineDeployment(replicas=r), fanout=f), fig,
+                              spec=MegatronSpec()) for f in ("direct", "relay")}
+        predicted = plans["direct"].cross_link_bytes / plans["relay"].cross_link_bytes
+        measured = direct["cross_link_bytes_per_version"] / relay["cross_link_bytes_per_version"]
+        assert predicted == pytest.approx(r) and measured == pytest.approx(predicted, rel=0.05)
+        relayed = plans["relay"].engine_fanout_bytes / plans["relay"].cross_link_bytes
+        assert relay["engine_fanout_bytes_per_version"] / relay["cross_link_bytes_per_version"] == \
+            pytest.approx(relayed, rel=0.02) == r - 1

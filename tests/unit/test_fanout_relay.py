@@ -26,9 +26,9 @@ KEY = b"k" * 32
 
 def test_relay_groups_from_the_engine_layout():
     assert relay_groups([1, 2, 3, 4], 1) == [[1, 2, 3, 4]]
-    assert relay_groups([1, 2, 3, 4], 2) == [[1, 3], [2, 4]]  # TP=2 x 2 replicas: one group per TP rank
+    assert relay_groups([1, 2, 3, 4], 2) == [[1, 3], [4, 2]]  # TP=2 x 2 replicas: a group per TP rank, roots spread
     nodes = ["a", "a", "b", "b", "a", "a", "b", "b"]  # replicas 0, 2 on node a; 1, 3 on node b
-    assert relay_groups(range(8), 2, nodes, roots="node") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert relay_groups(range(8), 2, nodes, roots="node") == [[0, 4], [2, 6], [3, 7], [5, 1]]
     with pytest.raises(ConfigError, match="engine.replicas: 5 engine ranks are not whole replicas of 2"):
         relay_groups(range(5), 2)
     with pytest.raises(ConfigError, match="dcr.fanout_roots: node roots need the node of every engine rank"):
