@@ -36,7 +36,9 @@ class FanoutJob:
     Attributes:
         faults: ``"mode:step" -> replica`` whose apply fails at that refit (default: see
             :func:`default_faults`).
-        master: ``host:port`` of the rendezvous (two ports from it); empty: files in ``workdir``.
+        master: ``host:port`` of the refit group's rendezvous (the trainer's node); empty: files
+            in ``workdir``.
+        engine_master: ``host:port`` of the engines' own rendezvous (replica 0's node).
     """
 
     replicas: int
@@ -49,6 +51,7 @@ class FanoutJob:
     faults: dict[str, int] | None = None
     workdir: str = ""
     master: str = ""
+    engine_master: str = ""
 
     @property
     def engine_ranks(self) -> list[int]:
@@ -66,11 +69,10 @@ def default_faults(job: FanoutJob) -> dict[str, int]:
 
 
 def _store(job: FanoutJob, name: str, rank: int, world: int):
-    if job.master:
-        host, port = job.master.rsplit(":", 1)
-        port = int(port) + (0 if name == "refit" else 1)
-        master = rank == 0
-        return dist.TCPStore(host, port, world, master, wait_for_workers=False)
+    where = job.master if name == "refit" else job.engine_master
+    if where:
+        host, port = where.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), world, rank == 0, wait_for_workers=False)
     return dist.FileStore(os.path.join(job.workdir, f"{name}_store"), world)
 
 
@@ -177,7 +179,8 @@ def trainer_main(job: FanoutJob) -> None:
     weights, gen = _weights(job), torch.Generator().manual_seed(job.seed + 1)
     rows = [row for mode in job.modes for row in _one_mode(job, base, weights, gen, mode)]
     Path(job.workdir, "trainer.json").write_text(json.dumps(rows))
-    base.close(60)
+    base.close(60)  # after every replica wrote its counts
+    Path(job.workdir, "summary.json").write_text(json.dumps(summarize(collect(job)), indent=1))
 
 
 def _entry(role: str, job: FanoutJob, replica: int) -> None:
@@ -190,8 +193,8 @@ def collect(job: FanoutJob) -> dict:
     """The trainer's rows and every replica's counts of a finished job."""
     rows = json.loads(Path(job.workdir, "trainer.json").read_text())
     engines = [json.loads(Path(job.workdir, f"engine{i}.json").read_text()) for i in range(job.replicas)]
-    return {"job": {k: v for k, v in asdict(job).items() if k not in ("workdir", "master")}, "rows": rows,
-            "engines": engines}
+    job_keys = {k: v for k, v in asdict(job).items() if k not in ("workdir", "master", "engine_master")}
+    return {"job": job_keys, "rows": rows, "engines": engines}
 
 
 def run_fanout(job: FanoutJob, timeout: float = 300.0) -> dict:
@@ -236,15 +239,24 @@ def summarize(result: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     """One process of a job (see the module docstring); the trainer prints the summary."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=("trainer", "engine"), required=True)
+    ap.add_argument("--role", choices=("trainer", "engine", "merge"), required=True,
+                    help="merge: the runs' summaries under WORKDIR/r*/ into WORKDIR/summary.json")
     ap.add_argument("--rank", type=int, default=0, help="engine replica index")
     ap.add_argument("--replicas", type=int, required=True)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--numel", type=int, default=1 << 20)
-    ap.add_argument("--master", default="")
+    ap.add_argument("--master", default="", help="host:port of the refit group's rendezvous (trainer node)")
+    ap.add_argument("--engine-master", default="", help="host:port of the engines' rendezvous (replica 0's node)")
     ap.add_argument("--workdir", required=True)
     a = ap.parse_args(argv)
-    job = FanoutJob(a.replicas, a.steps, numel=a.numel, workdir=a.workdir, master=a.master)
+    if a.role == "merge":
+        runs = [r for p in sorted(Path(a.workdir).glob("r*/summary.json")) for r in json.loads(p.read_text())]
+        runs.sort(key=lambda r: (r["replicas"], r["mode"]))
+        Path(a.workdir, "summary.json").write_text(json.dumps(runs, indent=1))
+        print(json.dumps(runs, indent=1))
+        return
+    job = FanoutJob(a.replicas, a.steps, numel=a.numel, workdir=a.workdir, master=a.master,
+                    engine_master=a.engine_master)
     _entry(a.role, job, a.rank)
 
 
