@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--role", choices=("trainer", "engine", "merge"), required=True,
                     help="merge: the runs' summaries under WORKDIR/r*/ into WORKDIR/summary.json")
     ap.add_argument("--rank", type=int, default=0, help="engine replica index")
-    ap.add_argument("--replicas", type=int, required=True)
+    ap.add_argument("--replicas", type=int, default=0, help="engine replicas (trainer and engine roles)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--numel", type=int, default=1 << 20)
     ap.add_argument("--master", default="", help="host:port of the refit group's rendezvous (trainer node)")
@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(a.workdir, "summary.json").write_text(json.dumps(runs, indent=1))
         print(json.dumps(runs, indent=1))
         return
+    if a.replicas < 1:
+        ap.error(f"--replicas must be >= 1 for the {a.role} role, got {a.replicas}")
     job = FanoutJob(a.replicas, a.steps, numel=a.numel, workdir=a.workdir, master=a.master,
                     engine_master=a.engine_master)
     _entry(a.role, job, a.rank)
