@@ -32,5 +32,6 @@ def test_relay_crosses_once_per_version_on_three_nodes():
     one = runs["relay", 1]["cross_link_bytes_per_version"]
     assert runs["relay", 4]["cross_link_bytes_per_version"] <= 1.1 * one
     assert runs["direct", 4]["cross_link_bytes_per_version"] >= 3.5 * one
-    assert runs["relay", 4]["engine_fanout_bytes_per_version"] == 3 * runs["relay", 4]["cross_link_bytes_per_version"]
+    assert runs["relay", 4]["engine_fanout_bytes_per_version"] == pytest.approx(
+        3 * runs["relay", 4]["cross_link_bytes_per_version"])
     assert runs["relay", 4]["resynced_alone"] == [3, 5] and runs["direct", 4]["resynced_alone"] == [3]
