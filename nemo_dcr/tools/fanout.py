@@ -199,24 +199,14 @@ def collect(job: FanoutJob) -> dict:
 
 def run_fanout(job: FanoutJob, timeout: float = 300.0) -> dict:
     """Spawn the trainer and the replicas on this machine; return :func:`collect`'s result."""
-    import multiprocessing as mp
     import tempfile
+
+    from .procs import run_processes
 
     with tempfile.TemporaryDirectory(prefix="nemo-dcr-fanout-") as tmp:
         job = replace(job, workdir=tmp)
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_entry, args=("trainer", job, -1))]
-        procs += [ctx.Process(target=_entry, args=("engine", job, i)) for i in range(job.replicas)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        if codes != [0] * len(procs):
-            raise RuntimeError(f"fan-out processes failed: exit codes {codes} (trainer first)")
+        roles = [("trainer", job, -1)] + [("engine", job, i) for i in range(job.replicas)]
+        run_processes(_entry, roles, timeout, "fan-out (trainer first)")
         return collect(job)
 
 

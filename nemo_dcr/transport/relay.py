@@ -20,6 +20,7 @@ one over the base transport by the trainers' recovery.
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Envelope, MessageKind, Transport, TransportError, TransportTimeout
+from .mailbox import take
 
 RELAYED = (MessageKind.DELTA, MessageKind.RESYNC)
 """What the root relays: payload parts (and their end-of-version markers)."""
@@ -168,19 +170,8 @@ class RelayEndpoint:
             elif env.kind == MessageKind.STOP:
                 self._end_relay()
             return env
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                for i, item in enumerate(self._box):
-                    if isinstance(item, TransportError) or src is None or item.sender == src:
-                        got = self._box.pop(i)
-                        if isinstance(got, TransportError):
-                            raise got
-                        return got
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TransportTimeout(f"rank {self.rank}: nothing from {src} within {timeout}s")
-                self._cond.wait(left)
+            return take(self._box, self._cond, self.rank, src, timeout)
 
     def close(self, timeout: float = 60.0) -> None:
         """End the relay (root: tell the replicas; replica: wait for the root's end), then close
@@ -212,8 +203,6 @@ def relay_endpoint(base: Transport, groups: list[list[int]], world_rank: dict[in
     Returns:
         a :class:`RelayEndpoint`, or ``base`` itself where this rank's group has no other replica.
     """
-    import datetime
-
     mine = None
     for g in groups:
         if len(g) < 2:
