@@ -7,6 +7,10 @@
 #   scripts/slurm_cluster.sh submit --dir DIR [sbatch-options] SBATCH [script-args]
 #   scripts/slurm_cluster.sh shape --dir DIR RATE|off  rate limit on both nodes' links (tc tbf)
 #   scripts/slurm_cluster.sh down --dir DIR
+#   scripts/slurm_cluster.sh fanout [--rate 100mbit]
+#       three nodes: the trainer on n1, engine replicas on n2 and n3; only n1's link is shaped (the
+#       trainer-to-rollout link), n2<->n3 is not; recipes/slurm/fanout.sbatch at R = 1, 2, 4
+#       (FANOUT_REPLICAS), direct then relay; writes runs/slurm-fanout/summary.json
 #
 # Layout: namespace "ctl" runs slurmctld (10.77.0.1) and holds the bridge; namespaces "n1"
 # (10.77.0.11) and "n2" (10.77.0.12) each run one slurmd with its own hostname, joined to the
@@ -25,7 +29,7 @@ set -euo pipefail
 
 SKIP=77
 SUBNET=10.77.0
-NODES=(n1 n2)
+NODES=(n1 n2)                                      # `fanout`: n1 n2 n3
 log() { echo "[slurm-cluster] $*" >&2; }
 skip() { echo "skipped: $*" >&2; exit "$SKIP"; }
 die() { echo "error: $*" >&2; exit 1; }
@@ -202,9 +206,10 @@ wait_idle() {
 }
 
 # ---------------------------------------------------------------- link shaping
-shape() {
-  local rate="$1" node ns
-  for node in "${NODES[@]}"; do
+shape() {                                          # RATE [NODE...] (default: every node)
+  local rate="$1" node ns; shift
+  local which=("$@"); [ "${#which[@]}" -gt 0 ] || which=("${NODES[@]}")
+  for node in "${which[@]}"; do
     ns="$(ns_of "$node")"
     if [ "$rate" = off ]; then
       in_ns "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
@@ -213,7 +218,7 @@ shape() {
       skip "cannot shape the link with tc tbf: $(cat "$DIR/log/tc.err")"
     fi
   done
-  log "link rate: $rate (egress of each node)"
+  log "link rate: $rate (egress of ${which[*]})"
 }
 
 # ---------------------------------------------------------------- up / down
@@ -227,7 +232,7 @@ do_up() {
     || { rm -rf "$DIR"; die "user munge cannot reach $DIR: set SLURM_TMP to a folder it can"; }
   ID="${DIR##*.}"
   mkdir -p "$DIR/log"
-  printf 'ID=%s\nDIR=%s\n' "$ID" "$DIR" >"$DIR/cluster.env"
+  printf 'ID=%s\nDIR=%s\nNODES=(%s)\n' "$ID" "$DIR" "${NODES[*]}" >"$DIR/cluster.env"
   trap teardown EXIT
   trap 'exit 130' INT TERM
   local t0=$SECONDS
@@ -321,7 +326,23 @@ do_submit() {
   return "$rc"
 }
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+# Three nodes, the trainer's link shaped; one fan-out job per replica count; the runs' summaries merged.
+do_fanout() {
+  local rate="$1" r rc=0
+  NODES=(n1 n2 n3)
+  do_up ""
+  [ -z "$rate" ] || shape "$rate" n1
+  for r in ${FANOUT_REPLICAS:-1 2 4}; do
+    export REPLICAS="$r"
+    do_submit recipes/slurm/fanout.sbatch || { rc=$?; break; }
+  done
+  [ "$rc" -ne 0 ] || PYTHONPATH="$PWD" "${PYTHON:-$PWD/.venv/bin/python}" -m nemo_dcr.tools.fanout --role merge \
+    --workdir runs/slurm-fanout >/dev/null || rc=$?
+  [ "$rc" -ne 0 ] || log "fan-out runs: runs/slurm-fanout/summary.json"
+  exit "$rc"
+}
+
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 main() {
   local cmd="${1:-}"; [ "$#" -gt 0 ] && shift
@@ -340,6 +361,7 @@ main() {
     shape) load_state; shape "${1:?shape: give a rate such as 100mbit, or off}" ;;
     down) load_state; trap teardown EXIT ;;
     check) do_up "$rate"; local rc=0; do_submit "$@" || rc=$?; exit "$rc" ;;
+    fanout) do_fanout "$rate" ;;
     -h|--help|help) usage 0 ;;
     *) usage 2 ;;
   esac

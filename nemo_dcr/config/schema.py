@@ -25,6 +25,8 @@ REFUSED_TRANSPORTS = {
 }
 """Transport names users may know from other systems, refused by :meth:`DcrConfig.validate` with why."""
 BASELINES = ("device", "pinned", "file")
+FANOUTS = ("direct", "relay")
+FANOUT_ROOTS = ("view", "node")
 ENGINE_FORMATS = ("bf16", "fp8")
 FP8_GRANULARITIES = ("block", "channel", "tensor")
 """The granularities of :class:`nemo_dcr.quant.Fp8Scheme` (a test keeps the two lists equal)."""
@@ -127,6 +129,15 @@ class DcrConfig:
     about 2.3 bytes per element of the tensors that receive ``dcr`` records, ~1.15x a BF16 shard),
     so decoding costs in proportion to the changes; false: no such memory, each refit ranks the
     touched tensors again (a pass over each)."""
+    fanout: str | None = None
+    """How a version reaches the replicas of an engine view: ``direct`` (the owners send every
+    replica its parts: the trainer-to-rollout link carries them once per replica) or ``relay``
+    (once to the view's relay root, which broadcasts the same bytes to the other replicas inside
+    the rollout cluster; docs/refit.md "Fan-out").  None: relay where the wiring has relay
+    groups of several replicas, else direct."""
+    fanout_roots: str = "view"
+    """``relay``: one relay root per engine view (``view``: the slow link carries each view once)
+    or per view and node (``node``: no relay crosses between rollout nodes)."""
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, object], prefix: str = "dcr") -> DcrConfig:
@@ -154,6 +165,9 @@ class DcrConfig:
             raise ConfigError(f"{prefix}.transport", f"{self.transport!r}: {REFUSED_TRANSPORTS[self.transport]}")
         check_one_of(prefix, "transport", self.transport, TRANSPORTS)
         check_one_of(prefix, "baseline", self.baseline, BASELINES)
+        if self.fanout is not None:
+            check_one_of(prefix, "fanout", self.fanout, FANOUTS)
+        check_one_of(prefix, "fanout_roots", self.fanout_roots, FANOUT_ROOTS)
         for enc in self.telemetry_encodings:
             check_one_of(prefix, "telemetry_encodings[]", enc, ENCODINGS)
         if self.transport == "store" and not self.url:

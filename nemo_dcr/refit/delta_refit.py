@@ -55,6 +55,7 @@ from .messages import Ask
 from .refit_report import RefitReport
 from .route_views import Router
 from .routing import assign_owners, gather_captured
+from .relay import relay_plan
 from .sender import RefitSender, Tamper, verify_due
 from .server import EngineServer
 from .source import TrainerSource, source_for
@@ -91,7 +92,8 @@ class DeltaRefit:
         mirror = sender_mirror(cfg, source.canonical, [n for n, r in owners.items() if r == self.group.rank])
         router = Router(self.group, owners, source.canonical, self.key, members.hosts)
         self.sender = RefitSender(cfg, self.key, self.group, wiring.transport, wiring.engine_ranks, owners,
-                                  mirror, router, model=model)
+                                  mirror, router, model=model,
+                                  relay=relay_plan(cfg, wiring.engine_ranks, wiring.relay))
         self.store = self._new_store()
         self._checksums: dict[str, int] = {}
         self._server: EngineServer | None = None
@@ -240,7 +242,7 @@ class DeltaRefit:
         local = [report.changed, report.payload_bytes, self.sender.mirror.dense_bytes()]
         local += [report.by_layer_type.get(k, {}).get("changed", 0) for k in kinds]
         local += [report.bytes_by_encoding.get(e, 0) for e in encs]
-        local += [report.engine_format.get(k, 0) for k in fmt]
+        local += [report.engine_format.get(k, 0) for k in fmt] + [report.fanout_bytes]
         hosts, links = self._host_links(report)
         summed = self.group.sum_ints(local + links)
         summed, links = summed[:len(local)], summed[len(local):]
@@ -250,11 +252,12 @@ class DeltaRefit:
             numel[layer_type(n)] += _numel(shape)
         by_kind = {k: {"changed": summed[3 + i], "numel": numel[k]} for i, k in enumerate(kinds)}
         sizes = {e: summed[3 + len(kinds) + i] for i, e in enumerate(encs)} if report.mode == "delta" else {}
-        counts = dict(zip(fmt, summed[3 + len(kinds) + len(encs):]))
+        counts = dict(zip(fmt, summed[3 + len(kinds) + len(encs):-1]))
         by_host = {h: dict(zip(HOST_LINKS, links[3 * i:3 * i + 3])) for i, h in enumerate(hosts)}
         return replace(report, changed=summed[0], payload_bytes=summed[1], numel=sum(numel.values()),
                        dense_bytes=summed[2], by_layer_type=by_kind, bytes_by_encoding=sizes, engine_format=counts,
                        route_bytes=sum(v["trainer_to_trainer"] for v in by_host.values()), bytes_by_host=by_host,
+                       fanout_bytes=summed[-1],
                        times={**report.times, TOTAL_SLOWEST_RANK: slowest})
 
     def _host_links(self, report: RefitReport) -> tuple[list[str], list[int]]:

@@ -50,6 +50,10 @@ class Fanout:
         self._views = {(r, n): (n, tp.runs.canon.tobytes() + tp.runs.length.tobytes())
                        for r, placement in self.routes.items() for n, tp in placement.items()}
 
+    def signature(self, rank) -> tuple:
+        """What ``rank`` (a route key) holds, comparable between ranks: its views of every tensor."""
+        return tuple(sorted(v for (r, _), v in self._views.items() if r == rank))
+
     def whole(self, rank, name: str) -> bool:
         """``rank``'s view of ``name`` is every element in canonical order (view index = canonical)."""
         tp = self.routes[rank][name]

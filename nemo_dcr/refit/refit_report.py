@@ -34,6 +34,9 @@ class RefitReport:
         payload_bytes: payload bytes put on the transport (parts of DELTA and RESYNC messages).
         route_bytes: routing pack bytes put on the trainer group for other trainer ranks
             (docs/wire_format.md section 7.5; a rank's changes of the tensors it owns stay on it).
+        fanout_bytes: payload bytes the engines' relay roots pass on to the other replicas of
+            their view inside the rollout cluster (``dcr.fanout: relay``; refit/relay.py): what was
+            sent to each root times its other replicas.
         dense_bytes: bytes of the whole model in its serving dtype (a dense refit's payload).
         bytes_by_encoding: payload bytes of the same changes in other encodings (telemetry).
         by_layer_type: layer type -> ``{"changed": n, "numel": m}``.
@@ -66,6 +69,7 @@ class RefitReport:
     numel: int = 0
     payload_bytes: int = 0
     route_bytes: int = 0
+    fanout_bytes: int = 0
     dense_bytes: int = 0
     bytes_by_encoding: dict[str, int] = field(default_factory=dict)
     by_layer_type: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -77,9 +81,11 @@ class RefitReport:
     @property
     def bytes_on_links(self) -> dict[str, int]:
         """Bytes put on each link, measured from what was sent: ``trainer_to_trainer`` (routing
-        packs) and ``trainer_to_engine`` (payloads).  No engine-side relay exists, so there is no
-        engine fan-out link."""
-        return {"trainer_to_trainer": self.route_bytes, "trainer_to_engine": self.payload_bytes}
+        packs), ``trainer_to_engine`` (payloads across to the engines: with a relay, to the relay
+        roots only) and ``engine_fanout`` (the relay roots' broadcasts to the other replicas,
+        inside the rollout cluster)."""
+        return {"trainer_to_trainer": self.route_bytes, "trainer_to_engine": self.payload_bytes,
+                "engine_fanout": self.fanout_bytes}
 
     @property
     def density(self) -> float:

@@ -34,6 +34,7 @@ from .messages import Ask, EngineReply, MessageFormatError, Query
 from .mirror import SenderMirror
 from .payloads import resync_payload
 from .refit_report import RefitReport
+from .relay import RelayPlan
 from .route_views import Router
 
 Tamper = Callable[[list[Envelope]], list[Envelope]]
@@ -72,6 +73,7 @@ class RefitSender:
         router: this rank's routing to the owners (:class:`~.route_views.Router`, the same owners).
         routes: placement per ``(engine rank, shard)`` (None: engines hold canonical tensors whole).
         model: model name carried in payload headers.
+        relay: the fan-out (refit/relay.py; None: every engine rank direct).
     """
 
     cfg: DcrConfig
@@ -84,12 +86,17 @@ class RefitSender:
     router: Router
     routes: Mapping[tuple[int, int], RankPlacement] | None = None
     model: str = ""
+    relay: RelayPlan | None = None
     refits: int = 0
     queries: int = 0
     """Queries sent so far (each query's id; its answer carries it back)."""
     _detected: list[str] = field(default_factory=list)
+    _relayed: int = 0
+    """Payload bytes the relay roots pass on inside the rollout cluster this refit (what was sent to
+    each root times its other replicas)."""
 
     def __post_init__(self):
+        self.relay = self.relay or RelayPlan.direct(self.engine_ranks)
         self.set_routes(self.routes)
 
     def set_routes(self, routes: Mapping[tuple[int, int], RankPlacement] | None) -> None:
@@ -102,6 +109,9 @@ class RefitSender:
                              "reports placements (routed views, e.g. vLLM) takes bf16 weights only")
         self.routes = routes
         self._fanout = None if routes is None else Fanout(routes, self.mirror)
+        if self._fanout is not None:
+            self.relay.check_views(lambda e: tuple((s, self._fanout.signature((r, s))) for r, s in sorted(routes)
+                                                   if r == e))
 
     @property
     def max_changes_per_part(self) -> int:
@@ -138,14 +148,15 @@ class RefitSender:
         """The views of this refit's route move with the capture baseline (only when it
         committed); the report gets the routing bytes this rank sent."""
         self.router.end(report.committed)
-        return replace(report, route_bytes=self.router.sent.to_others)
+        return replace(report, route_bytes=self.router.sent.to_others, fanout_bytes=self._relayed)
 
     def _send(self, kind: MessageKind, version: int, parts: Mapping[tuple[int, int], Sequence[bytes]],
-              tamper: Tamper | None) -> int:
-        """Send every engine rank its parts (numbered across its shards) and an end-of-version
-        marker; returns payload bytes put on the transport (after tampering: what really crossed)."""
+              tamper: Tamper | None, ranks: Sequence[int] | None = None) -> int:
+        """Send the engine ranks (``ranks``, default all) their parts (numbered across its shards) and
+        an end-of-version marker, through their relay roots (:meth:`RelayPlan.destinations`);
+        returns payload bytes put on the transport (after tampering: what really crossed)."""
         sent = 0
-        for e in self.engine_ranks:
+        for e, reach in self.relay.destinations(self.engine_ranks if ranks is None else ranks):
             mine = [(s, p) for (rank, s), ps in sorted(parts.items()) if rank == e for p in ps]
             envs = [Envelope(kind, version, self.transport.rank, i, False, p, shard=s) for i, (s, p) in enumerate(mine)]
             envs = tamper(envs) if tamper else envs
@@ -153,14 +164,17 @@ class RefitSender:
             for env in envs:
                 self.transport.send(e, env)
                 sent += len(env.body)
+                self._relayed += len(env.body) * (reach - 1)
         self.transport.flush()
         return sent
 
-    def _await(self, version: int, kinds: tuple[MessageKind, ...], query: Query | None = None) -> list[EngineReply]:
-        """Every engine rank's reply of one of ``kinds`` about ``version`` (or answering ``query``);
-        other messages are stale and skipped.  No reply, or a malformed one, is a failed reply."""
+    def _await(self, version: int, kinds: tuple[MessageKind, ...], query: Query | None = None,
+               ranks: Sequence[int] | None = None) -> list[EngineReply]:
+        """Every engine rank's (of ``ranks``, default all) reply of one of ``kinds`` about ``version``
+        (or answering ``query``); other messages are stale and skipped.  No reply, or a malformed
+        one, is a failed reply."""
         replies = []
-        for e in self.engine_ranks:
+        for e in self.engine_ranks if ranks is None else ranks:
             while True:
                 try:
                     env = self.transport.recv(src=e, timeout=self.cfg.reply_timeout_s)
@@ -191,22 +205,23 @@ class RefitSender:
         rank's own views against the mirror (``current``: against the trainer's state, mirror
         plus staged changes), so a replica the sums count once (TP-replicated norms, a second
         DP engine) cannot diverge unseen.  Collective; every rank gets the same report."""
-        engine: dict[str, int] = {}
-        for r in replies:  # routed: canonical partial sums of each rank; else every rank's full values
-            for n, c in r.checksums.items():
-                engine[n] = (engine.get(n, 0) + c) & MASK64 if self._fanout is not None else c
         names = self.mirror.engine_names(sorted(self.owners))  # the engine's tensors, in one order on every rank
         totals = self.group.sum_u64(self.mirror.trainer_side(trainer), names)
-        report = compare(totals, engine, max(r.version for r in replies), full)
-        if self._fanout is None:
-            return report
+        version = max(r.version for r in replies)
+        if self._fanout is None:  # every rank holds every tensor whole: each rank's own values
+            return _each_rank(totals, self.engine_ranks, replies, version, full)
+        engine: dict[str, int] = {}
+        for r in replies:  # canonical partial sums of each rank
+            for n, c in r.checksums.items():
+                engine[n] = (engine.get(n, 0) + c) & MASK64
+        report = compare(totals, engine, version, full)
         local, compared = self._fanout.view_mismatches(self.owned, self._reported_views(replies),
                                                        self.mirror.current_bits if current else None)
         local = [(n, e, shard, want, got) for n, (e, shard), want, got in local]
         seen = [json.loads(b) for b in self.group.exchange([json.dumps([compared, local]).encode()] * self.group.size)]
         rows = sorted({tuple(m) for _, ms in seen for m in ms}, key=lambda m: (m[0], m[1], m[2]))
-        extra = tuple(ChecksumMismatch(n, want, got, where=f"engine rank {e}" + (f" shard {sh}" if sh else ""))
-                      for n, e, sh, want, got in rows)
+        extra = tuple(ChecksumMismatch(n, want, got, where=f"engine rank {e}" + (f" shard {sh}" if sh else ""),
+                                       engine_rank=e) for n, e, sh, want, got in rows)
         return replace(report, checked=report.checked + sum(c for c, _ in seen),
                        mismatches=report.mismatches + extra)
 
@@ -248,7 +263,7 @@ class RefitSender:
 
     def _refit(self, pieces, trainer_checksums, full, verify, tamper, base_skew, telemetry) -> RefitReport:
         self.refits += 1
-        self._detected = []
+        self._detected, self._relayed = [], 0
         clock = PhaseClock()
         version = self.mirror.version + 1
         with clock(Phase.ROUTE):
@@ -292,7 +307,7 @@ class RefitSender:
         engine's full checksums decide which tensors (if any) need a resync.  Each rank sends the
         owners its view of their tensors (refit/route_views.py).
         """
-        self._detected = []
+        self._detected, self._relayed = [], 0
         clock = PhaseClock()
         with clock(Phase.ROUTE):
             owned = self.mirror.changes(self._route(pieces, attach=True))
@@ -302,7 +317,7 @@ class RefitSender:
     def resync(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitReport:
         """Send every owned tensor whole (this version's changes included) through the protocol."""
         self.refits += 1
-        self._detected = []
+        self._detected, self._relayed = [], 0
         clock = PhaseClock()
         with clock(Phase.ROUTE):
             owned = self.mirror.changes(self._route(pieces))
@@ -334,18 +349,35 @@ class RefitSender:
         elif mode == "attach":
             self._detected.append("trainer and engine differ at (re)start: " + before.describe())
         bad = {self.mirror.canonical_name(m.name) for m in before.mismatches}
-        target = max(engine_version, self.mirror.version) + 1
+        target, ranks = max(engine_version, self.mirror.version) + 1, None
+        alone = None if before.ok else self._lagging(state, before)
+        if alone is not None:
+            target, ranks = alone
         names = [n for n in self.owned if n in bad]
-        return self._resync(names, target, trainer_checksums, changed, sent, clock, mode, before)
+        return self._resync(names, target, trainer_checksums, changed, sent, clock, mode, before, ranks)
+
+    def _lagging(self, state: Sequence[EngineReply], before: VerifyReport) -> tuple[int, list[int]] | None:
+        """The engine ranks to resync alone and the version they catch up to: the ranks whose own
+        checksums differ, when every other rank holds the trainer's state at one version above
+        theirs (a replica that failed a version the others committed); None: resync every rank."""
+        failing = {m.engine_rank for m in before.mismatches if m.engine_rank is not None}
+        version = {e: r.version for e, r in zip(self.engine_ranks, state)}
+        good = {version[e] for e in self.engine_ranks if e not in failing}
+        if not failing or len(good) != 1 or any(version[e] >= min(good) for e in failing):
+            return None
+        return good.pop(), [e for e in self.engine_ranks if e in failing]
 
     def _resync(self, names: Sequence[str], target: int, trainer_checksums, changed: int, sent: int,
-                clock: PhaseClock, mode: str, before: VerifyReport | None) -> RefitReport:
+                clock: PhaseClock, mode: str, before: VerifyReport | None,
+                ranks: Sequence[int] | None = None) -> RefitReport:
+        """Send ``names`` whole at version ``target`` to ``ranks`` (default all engine ranks; the
+        others hold ``target`` already and go on)."""
         with clock(Phase.ENCODE):
             parts = self._resync_parts(names, target)
         with clock(Phase.SEND):
-            sent += self._send(MessageKind.RESYNC, target, parts, None)
+            sent += self._send(MessageKind.RESYNC, target, parts, None, ranks)
         with clock(Phase.AWAIT):
-            replies = self._await(target, (MessageKind.ACK, MessageKind.NACK))
+            replies = self._await(target, (MessageKind.ACK, MessageKind.NACK), ranks=ranks)
             ok = self.group.all_true(all(r.ok for r in replies))
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
@@ -354,8 +386,20 @@ class RefitSender:
                                times=clock.seconds, verify=before)
         self._reset(self.owned, target)
         with clock(Phase.VERIFY):
-            after = self._verify(trainer_checksums, replies, full=False)
+            after = self._verify(trainer_checksums, replies if ranks is None else self.query(Ask.STATE), full=False)
         if not after.ok:
             self._detected.append("checksum mismatch after resync: " + after.describe())
         return RefitReport(target, mode, after.ok, True, tuple(self._detected), changed, payload_bytes=sent,
                            times=clock.seconds, verify=after)
+
+
+def _each_rank(totals: Mapping[str, int], ranks: Sequence[int], replies: Sequence[EngineReply], version: int,
+               full: bool) -> VerifyReport:
+    """Trainer totals against every engine rank's own values (engine ranks holding every tensor
+    whole, e.g. data-parallel replicas: each is a full copy, so each is compared)."""
+    reports = [compare(totals, r.checksums, version, full) for r in replies]
+    if len(reports) == 1:
+        return replace(reports[0], mismatches=tuple(replace(m, engine_rank=ranks[0]) for m in reports[0].mismatches))
+    bad = tuple(replace(m, where=f"engine rank {e}", engine_rank=e) for e, rep in zip(ranks, reports)
+                for m in rep.mismatches)
+    return VerifyReport(version, full, sum(r.checked for r in reports), bad)

@@ -41,6 +41,7 @@ class Wiring:
         trainer_ranks: refit-group ranks of the trainers (the senders every engine waits for).
         engine_transport: the endpoint of an engine this process hosts (None: none here).
         closers: called by :meth:`close` (transports this rank opened).
+        relay: the engines' relay groups, root first (refit/relay.py; None: the engines relay nothing).
     """
 
     transport: Transport
@@ -49,6 +50,7 @@ class Wiring:
     trainer_ranks: list[int]
     engine_transport: Transport | None = None
     closers: list[Callable[[float], None]] = field(default_factory=list)
+    relay: list[list[int]] | None = None
 
     @property
     def hosts_engine(self) -> bool:
@@ -118,7 +120,9 @@ def colocated_wiring(cfg: DcrConfig, engine_host: int = 0, key: bytes | None = N
 
 
 def engine_wiring(transport: Transport, trainer_ranks: Sequence[int], engine_ranks: Sequence[int],
-                  group: TrainerGroup | None = None) -> Wiring:
-    """Engines in processes of their own: ``transport`` spans trainers and engines."""
+                  group: TrainerGroup | None = None, relay: Sequence[Sequence[int]] | None = None) -> Wiring:
+    """Engines in processes of their own: ``transport`` spans trainers and engines; ``relay``: the
+    relay groups the engine processes built their endpoints from (:func:`~.relay.relay_groups`)."""
     return Wiring(transport, list(engine_ranks), group or trainer_group(), list(trainer_ranks),
+                  relay=None if relay is None else [list(g) for g in relay],
                   closers=[transport.close] if hasattr(transport, "close") else [])

@@ -8,7 +8,7 @@ them back (``nemo-dcr report``, ``nemo-dcr plan --densities``).  Row schema (``s
      "density": 0.012, "changed": 1634000, "numel": 134515008,
      "density_by_layer_type": {"attention": 0.011, ...},
      "bytes": {"dcr": 1.1e6, "reference": 3.5e6, "dense": 2.7e8}, "payload_bytes": 1.1e6,
-     "bytes_on_links": {"trainer_to_trainer": 6.9e5, "trainer_to_engine": 1.1e6},
+     "bytes_on_links": {"trainer_to_trainer": 6.9e5, "trainer_to_engine": 1.1e6, "engine_fanout": 3.3e6},
      "bytes_by_host": {"n1": {"trainer_to_trainer": 3.4e5, "trainer_to_engine": 5.2e5,
                               "trainer_to_other_hosts": 0}, ...},
      "times": {"capture": 0.4, "remap": 0.2, ..., "total": 2.1, "total_slowest_rank": 2.2},
@@ -25,7 +25,8 @@ trainer rank's seconds, keyed by :class:`nemo_dcr.telemetry.phases.Phase` values
 ``total_slowest_rank`` (see :mod:`.phases` for which phases make up ``total``).
 ``bytes_on_links`` are the bytes the trainer ranks put on each link, measured from what they
 sent (:attr:`nemo_dcr.refit.RefitReport.bytes_on_links`: routing packs between trainer ranks,
-payloads to the engines); ``bytes_by_host`` the same per host of the sending ranks, with the
+payloads to the engines, and ``engine_fanout``: what the engines' relay roots passed on to the
+other replicas inside the rollout cluster, ``dcr.fanout: relay``); ``bytes_by_host`` the same per host of the sending ranks, with the
 routing bytes addressed to another host (schema 2 added both).
 ``engine_format`` holds the counts of an FP8 engine (:attr:`nemo_dcr.refit.RefitReport.engine_format`;
 empty for a BF16 engine) and ``fp8_density`` its changed FP8 bytes over FP8 elements (null for

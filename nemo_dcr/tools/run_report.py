@@ -86,7 +86,7 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-LINKS = ("trainer_to_trainer", "trainer_to_engine")
+LINKS = ("trainer_to_trainer", "trainer_to_engine", "engine_fanout")
 """The links of ``bytes_on_links``, in table order."""
 
 

@@ -29,7 +29,8 @@ from dataclasses import replace
 
 import torch
 
-from .base import Envelope, TransportError, TransportTimeout
+from .base import Envelope, TransportError
+from .mailbox import take
 
 DEFAULT_CHUNK = 4 << 20
 _TAG = 0
@@ -146,15 +147,4 @@ class DistTransport:
         """Next envelope (from ``src`` when given); raises :class:`TransportError` on timeout."""
         with self._cond:
             self._start_receiver()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:
-                for i, env in enumerate(self._box):
-                    if isinstance(env, TransportError) or src is None or env.sender == src:
-                        got = self._box.pop(i)
-                        if isinstance(got, TransportError):
-                            raise got
-                        return got
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TransportTimeout(f"rank {self.rank}: nothing from {src} within {timeout}s")
-                self._cond.wait(left)
+            return take(self._box, self._cond, self.rank, src, timeout)

@@ -25,6 +25,8 @@ class ChecksumMismatch:
     engine: int | None
     where: str = ""
     """Which engine rank, when one rank's copy was compared (empty: the sum over ranks)."""
+    engine_rank: int | None = None
+    """That engine rank (None: the sum over ranks)."""
 
     def __str__(self) -> str:
         def fmt(x):

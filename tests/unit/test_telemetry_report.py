@@ -57,14 +57,14 @@ def test_records_and_totals(tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[1]["density_by_layer_type"] == {"mlp": 0.02, "norms": 1 / 40_000}
     assert steps[0]["bytes"] == {"dcr": 700, "reference": 2000, "dense": 200_000}
-    assert steps[2]["bytes_on_links"] == {"trainer_to_trainer": 1200, "trainer_to_engine": 2100}
+    assert steps[2]["bytes_on_links"] == {"trainer_to_trainer": 1200, "trainer_to_engine": 2100, "engine_fanout": 0}
     t = totals(steps)
     assert t["bytes"]["dcr"] == 4200 and t["ratio_to_dense"]["dense"] == 1.0
-    assert t["bytes_on_links"] == {"trainer_to_trainer": 2400, "trainer_to_engine": 4200}
+    assert t["bytes_on_links"] == {"trainer_to_trainer": 2400, "trainer_to_engine": 4200, "engine_fanout": 0}
     assert t["bit_exact_steps"] == 3 and abs(t["density_mean"] - 0.02) < 1e-12
     assert t["phase_seconds_mean"][OTHER] == pytest.approx(0.03)
     md = markdown(steps)
-    assert "| 3 | delta | 0.300 | 3.000% | 0.002 | 0.006 | 0.2 | 0.001 | 0.002 | 0.30 | 1.00 | yes |" in md
+    assert "| 3 | delta | 0.300 | 3.000% | 0.002 | 0.006 | 0.2 | 0.001 | 0.002 | 0.000 | 0.30 | 1.00 | yes |" in md
     assert "| trainer_to_trainer (link) | 2,400 | 0.4000% |" in md
     assert "| step | mode | capture | send | await | other | total | total_slowest_rank | telemetry (not in total) |" \
         in md

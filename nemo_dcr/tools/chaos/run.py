@@ -207,26 +207,16 @@ def _entry(role: str, cfg: ChaosConfig, rank: int) -> None:
 
 def run_chaos(cfg: ChaosConfig, timeout: float = 900.0) -> dict:
     """Spawn the trainer processes and one engine process; return the report (:mod:`.report`)."""
-    import multiprocessing as mp
     import tempfile
+
+    from nemo_dcr.tools.procs import run_processes
 
     from .tally import summarize
 
     with tempfile.TemporaryDirectory(prefix="nemo-dcr-chaos-") as tmp:
         cfg = replace(cfg, workdir=tmp)
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_entry, args=("engine", cfg, cfg.trainers))]
-        procs += [ctx.Process(target=_entry, args=("trainer", cfg, r)) for r in range(cfg.trainers)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        if codes != [0] * len(procs):
-            raise RuntimeError(f"chaos processes failed: exit codes {codes} (engine first)")
+        roles = [("engine", cfg, cfg.trainers)] + [("trainer", cfg, r) for r in range(cfg.trainers)]
+        run_processes(_entry, roles, timeout, "chaos (engine first)")
         rows = json.loads(Path(tmp, "trainer.json").read_text())
         engine = json.loads(Path(tmp, "engine.json").read_text())
     return summarize(cfg, rows, engine)

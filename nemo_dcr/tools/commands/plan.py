@@ -46,6 +46,8 @@ def register(subparsers) -> None:
                        "object store aggregate)")
     p.add_argument("--codec-device", choices=("cpu", "gpu"), default=None)
     p.add_argument("--placement", choices=("colocated", "cluster", "cross-cluster"), default=None)
+    p.add_argument("--fanout", choices=("direct", "relay"), default=None,
+                   help="engine replicas fed by the owners each (direct) or by a relay root per view (relay)")
     p.add_argument("--density", type=float, default=None, help="changed fraction, every layer type")
     p.add_argument("--densities", default=None, help="`nemo-dcr diff --json` output or a run's telemetry")
     p.add_argument("--cpu-figures", default=None, help="calibration JSON (default: the committed one)")
@@ -84,6 +86,8 @@ def _model(spec: str):
 
 
 def _setup(args, model: str):
+    from dataclasses import replace
+
     from nemo_dcr.tools.planner.presets import preset_for, with_overrides
 
     groups: dict[str, dict] = {"trainer": {}, "engine": {}, "links": {}, "hardware": {}}
@@ -92,8 +96,9 @@ def _setup(args, model: str):
         if value is not None:
             groups[group][name] = value
     base = preset_for(model, args.preset)
-    return with_overrides(base, groups["trainer"], groups["engine"], groups["links"], groups["hardware"],
-                          args.placement)
+    setup = with_overrides(base, groups["trainer"], groups["engine"], groups["links"], groups["hardware"],
+                           args.placement)
+    return setup if args.fanout is None else replace(setup, fanout=args.fanout)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -113,6 +113,8 @@ class TensorCosts:
         self.bpc = np.array([self.bpc_by_kind[k] for k in table.kind])
         e = setup.engine
         self.views = table.copies * e.replicas
+        self.sent_views = table.copies * (1 if setup.fanout == "relay" else e.replicas)
+        """Copies of each tensor's records the owners send (relay: once per view)."""
         self.routed = e.per_replica > 1
         self.header = fig.codec.header_bytes_per_record
 
@@ -121,12 +123,13 @@ def trainer_costs(shares: list[RankShare], table: TensorTable, tc: TensorCosts, 
                   fig: Figures) -> list[RankCost]:
     """Per trainer rank: capture, remap, route, encode seconds; payload sent; memory."""
     world = setup.trainer.world_size
-    enc_factor = tc.views if tc.routed and setup.encode_per_view else np.ones_like(tc.views)
+    views = tc.sent_views if setup.fanout == "relay" else tc.views  # a relay carries one encoding per view
+    enc_factor = views if tc.routed and setup.encode_per_view else np.ones_like(tc.views)
     owned_el = table.by_owner(table.numel.astype(float), world)
     owned_ch = table.by_owner(tc.changes, world)
     enc_el = table.by_owner(table.numel * enc_factor, world)
     enc_ch = table.by_owner(tc.changes * enc_factor, world)
-    sent = table.by_owner(tc.changes * tc.bpc * tc.views + tc.views * tc.header, world)
+    sent = table.by_owner(tc.changes * tc.bpc * tc.sent_views + tc.sent_views * tc.header, world)
     k = codec_kernels(setup, fig)
     scan = fig.gpu if setup.hardware.gpus else fig.cpu
     share, _ = _shares(setup)
@@ -188,9 +191,31 @@ def send_transfer(trainers: list[RankCost], engines: list[RankCost], setup: Plan
     """Owners -> engine ranks (``out_bytes``/``in_bytes`` override the delta payloads: dense refit)."""
     out_b = np.array([c.payload_bytes for c in trainers]) if out_bytes is None else out_bytes
     in_b = np.array([c.payload_bytes for c in engines]) if in_bytes is None else in_bytes
+    if setup.fanout == "relay":  # across to the relay roots only
+        in_b = in_b * np.array([is_root(c, setup) for c in engines])
     local = local_share(setup, setup.trainer.world_size) if setup.placement == "colocated" else 0.0
     return transfer(out_b, _nodes(trainers), in_b, _nodes(engines), setup.links, network_tier(setup), local,
                     ("trainer", "engine"))
+
+
+def is_root(c: RankCost, setup: PlanSetup) -> bool:
+    """The engine rank is its view's relay root (refit/relay.py ``relay_groups``: position ``i``'s
+    root is in replica ``i % replicas``)."""
+    e = setup.engine
+    return c.share.coords.get("replica", 0) == (c.share.rank % e.per_replica) % e.replicas
+
+
+def relay_transfer(engines: list[RankCost], setup: PlanSetup) -> Transfer | None:
+    """The relay roots' broadcasts to the other replicas (``fanout: relay``), modelled as gloo's
+    one-to-all: each root sends its payload once per other replica over the in-cluster link."""
+    if setup.fanout != "relay" or setup.engine.replicas < 2:
+        return None
+    roots = [c for c in engines if is_root(c, setup)]
+    others = [c for c in engines if not is_root(c, setup)]
+    out_b = np.array([c.payload_bytes * (setup.engine.replicas - 1) for c in roots])
+    in_b = np.array([c.payload_bytes for c in others])
+    return transfer(out_b, _nodes(roots), in_b, _nodes(others), setup.links, "ib", 0.0, ("relay root", "replica"),
+                    store=False)
 
 
 def route_transfer(trainers: list[RankCost], setup: PlanSetup) -> Transfer:
@@ -247,6 +272,9 @@ def critical_path(trainers: list[RankCost], engines: list[RankCost], setup: Plan
     path.append(PathSegment("encode", sec, who, "owner encodes against its mirror"))
     send = send_transfer(trainers, engines, setup)
     path.append(PathSegment("send", send.seconds, "link", send.bound))
+    relay = relay_transfer(engines, setup)
+    if relay is not None:
+        path.append(PathSegment("relay", relay.seconds, "link", relay.bound))
     sec, who = _slowest(engines, ("decode", "apply"))
     path.append(PathSegment("engine decode+apply", sec, who, "transaction after every part arrived"))
     sec, who = _slowest(trainers, (Phase.COMMIT,))

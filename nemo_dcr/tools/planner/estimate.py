@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from nemo_dcr.layout import MegatronSpec, ModelDims
 
 from .baselines import dense_refit, export_then_diff
-from .cost import PathSegment, RankCost, TensorCosts, add_link_seconds, critical_path, engine_costs, trainer_costs
+from .cost import PathSegment, is_root, RankCost, TensorCosts, add_link_seconds, critical_path, engine_costs, trainer_costs
 from .figures import Figures
 from .inputs import PlanSetup
 from .work import RankShare, ShareCache, TensorTable, engine_shares, tensor_table, trainer_shares
@@ -53,8 +53,21 @@ class Plan:
 
     @property
     def payload_bytes(self) -> float:
-        """Bytes put on the wire (every engine rank's records, every replica)."""
+        """Bytes the engine ranks receive (every engine rank's records, every replica)."""
         return sum(c.payload_bytes for c in self.engines)
+
+    @property
+    def cross_link_bytes(self) -> float:
+        """Bytes the owners put on the trainer-to-engine link (``fanout: relay``: once per view)."""
+        return sum(c.payload_bytes for c in self.trainers)
+
+    @property
+    def engine_fanout_bytes(self) -> float:
+        """Bytes the relay roots pass on to the other replicas (``fanout: relay``; else 0): what the
+        replicas that are no root receive."""
+        if self.setup.fanout != "relay":
+            return 0.0
+        return sum(c.payload_bytes for c in self.engines if not is_root(c, self.setup))
 
 
 @dataclass
@@ -138,6 +151,9 @@ def what_it_takes(plan: Plan, target_s: float) -> dict:
         cpu = make_plan(plan.model, plan.dims, replace(plan.setup, hardware=hw), plan.fig, shares=plan.shares)
         out["refit_seconds_with_host_codec"] = cpu.refit_seconds
         out["host_codec_critical_phase"] = max(cpu.path, key=lambda p: p.seconds).name
+    if plan.setup.fanout == "direct" and plan.setup.engine.replicas > 1:
+        relay = make_plan(plan.model, plan.dims, replace(plan.setup, fanout="relay"), plan.fig, shares=plan.shares)
+        out["refit_seconds_with_relay"] = relay.refit_seconds
     if plan.setup.encode_per_view and plan.setup.engine.per_replica > 1:
         once = make_plan(plan.model, plan.dims, replace(plan.setup, encode_per_view=False), plan.fig,
                          shares=plan.shares)

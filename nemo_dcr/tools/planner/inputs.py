@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from nemo_dcr.layout import LayoutError, ModelDims, ParallelLayout
 
 PLACEMENTS = ("colocated", "cluster", "cross-cluster")
+FANOUTS = ("direct", "relay")
+"""How a version reaches the engine replicas (``dcr.fanout``, refit/relay.py): every replica from
+the owners, or each view once to a relay root that broadcasts it to the other replicas."""
 """Where the engine runs: on the trainer's GPUs (CUDA IPC / NVLink within a node), on other nodes
 of the same cluster (InfiniBand), or in another cluster (the cross-cluster link of each node)."""
 
@@ -107,6 +110,10 @@ class PlanSetup:
     encode_per_view: bool = True
     """As on main: an owner encodes each engine rank's view of its tensors separately (replicas and
     engine-DP copies included); False: each distinct view once, its bytes sent to every holder."""
+    fanout: str = "direct"
+    """``direct``: the owners send every replica its records (the trainer-to-engine link carries a view
+    once per replica); ``relay``: once per view, to replica 0's rank of that view, which relays it to
+    the other replicas over the engines' in-cluster link (``dcr.fanout: relay``)."""
     preset: str = "custom"
     """Name of the preset these values came from (printed with the plan)."""
 
@@ -119,6 +126,8 @@ class PlanSetup:
         if self.placement == "colocated" and self.engine.world_size > self.trainer.world_size:
             raise LayoutError(f"colocated engine of {self.engine.world_size} ranks on {self.trainer.world_size} "
                               "trainer GPUs")
+        if self.fanout not in FANOUTS:
+            raise LayoutError(f"fanout {self.fanout!r}; known: {', '.join(FANOUTS)}")
         if self.hardware.codec_device not in ("cpu", "gpu"):
             raise LayoutError(f"codec device {self.hardware.codec_device!r}; known: cpu, gpu")
         if self.trainer.cp != 1:

@@ -50,6 +50,8 @@ def to_json(plan: Plan, extra: dict | None = None) -> dict:
         "bytes_per_changed_by_layer_type": plan.tensors.bpc_by_kind,
         "bytes_per_changed_source": plan.tensors.bpc_source,
         "changed": plan.changed, "density": plan.changed / plan.params, "payload_bytes": plan.payload_bytes,
+        "fanout": s.fanout, "bytes_on_links": {"trainer_to_engine": plan.cross_link_bytes,
+                                               "engine_fanout": plan.engine_fanout_bytes},
         "refit_seconds": plan.refit_seconds, "dense_refit_seconds": plan.dense["seconds"],
         "dense_refit": plan.dense, "export_then_diff_seconds": plan.export_diff["seconds"],
         "export_then_diff": plan.export_diff,

@@ -1,0 +1,132 @@
+"""Fan-out (refit/relay.py): relay groups from the engine layout, where the owners send, config
+errors, replicas of one view only, and a replica that failed a version resynced alone (the relay
+itself runs over torch.distributed: tests/distributed/test_fanout.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nemo_dcr.apply import InjectedFault, TensorEngine
+from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
+from nemo_dcr.config.schema import ConfigError, DcrConfig
+from nemo_dcr.integrations.vllm.worker import get_loader, set_loader
+from nemo_dcr.refit import DeltaRefit, EngineServer, engine_wiring
+from nemo_dcr.refit.canonical import CanonicalSource
+from nemo_dcr.refit.group import LocalGroup
+from nemo_dcr.refit.relay import RelayPlan, relay_groups, relay_plan
+from nemo_dcr.transport import Envelope, InProcHub, MessageKind
+from nemo_dcr.types import int_view
+from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
+
+KEY = b"k" * 32
+
+
+def test_relay_groups_from_the_engine_layout():
+    assert relay_groups([1, 2, 3, 4], 1) == [[1, 2, 3, 4]]
+    assert relay_groups([1, 2, 3, 4], 2) == [[1, 3], [4, 2]]  # TP=2 x 2 replicas: a group per TP rank, roots spread
+    nodes = ["a", "a", "b", "b", "a", "a", "b", "b"]  # replicas 0, 2 on node a; 1, 3 on node b
+    assert relay_groups(range(8), 2, nodes, roots="node") == [[0, 4], [2, 6], [3, 7], [5, 1]]
+    with pytest.raises(ConfigError, match="engine.replicas: 5 engine ranks are not whole replicas of 2"):
+        relay_groups(range(5), 2)
+    with pytest.raises(ConfigError, match="dcr.fanout_roots: node roots need the node of every engine rank"):
+        relay_groups(range(4), 1, roots="node")
+    with pytest.raises(ConfigError, match="dcr.fanout_roots: must be one of"):
+        relay_groups(range(4), 1, roots="rack")
+
+
+def test_destinations_cross_once_per_group_and_resync_a_replica_alone():
+    plan = RelayPlan(((1, 3), (2, 4)))
+    assert plan.relaying and plan.destinations([1, 2, 3, 4]) == [(1, 2), (2, 2)]
+    assert plan.destinations([3]) == [(3, 1)]  # a replica that failed: its own send, no relay
+    assert plan.destinations([1, 4]) == [(1, 2), (4, 1)]  # a root's relay reaches its replicas too
+    assert RelayPlan.direct([1, 2]).destinations([1, 2]) == [(1, 1), (2, 1)]
+
+
+def test_fanout_config_and_plan_errors():
+    with pytest.raises(ConfigError, match=r"dcr.fanout: must be one of \['direct', 'relay'\], got 'tree'"):
+        DcrConfig.from_mapping({"fanout": "tree"})
+    with pytest.raises(ConfigError, match="dcr.fanout_roots: must be one of"):
+        DcrConfig(fanout_roots="rack").validate()
+    assert relay_plan(DcrConfig(), [1, 2], None) == RelayPlan.direct([1, 2])  # unset: nothing to relay over
+    assert relay_plan(DcrConfig(), [1, 2], [[1, 2]]).relaying  # unset: relay where the engines offer it
+    assert not relay_plan(DcrConfig(fanout="direct"), [1, 2], [[1, 2]]).relaying
+    with pytest.raises(ConfigError, match=r"dcr.fanout: relay needs the engines' relay groups"):
+        relay_plan(DcrConfig(fanout="relay"), [1, 2], None)
+    with pytest.raises(ConfigError, match=r"must hold every engine rank \[1, 2, 3\] exactly once"):
+        relay_plan(DcrConfig(fanout="relay"), [1, 2, 3], [[1, 2], [2, 3]])
+
+
+def _serve(engines, hub):
+    servers = [EngineServer(e, hub.transport(1 + r), [0]) for r, e in enumerate(engines)]
+    threads = [threading.Thread(target=s.serve, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    return servers, threads
+
+
+def _stop(hub, threads):
+    t = hub.transport(0)
+    for e in range(1, len(threads) + 1):
+        t.send(e, Envelope(MessageKind.STOP, 0, 0))
+    for th in threads:
+        th.join(5)
+
+
+def test_relay_groups_hold_replicas_of_one_view_only():
+    d = StandinDims()
+    shapes = canonical_shapes(d)
+    weights = {n: torch.randn(s, generator=torch.Generator().manual_seed(0)).bfloat16() for n, s in shapes.items()}
+    models = [StandinModel(d, 2, r % 2) for r in range(4)]  # replica-major: TP ranks 0, 1, 0, 1
+    probed = [probe_model(m, shapes, record_loader_calls(m, shapes.items(), set_loader), get_loader) for m in models]
+    for m in models:
+        m.load_weights(weights.items())  # the engines hold the trainer's weights: attach sends nothing
+    engines = [TensorEngine({n: p.data for n, p in m.named_parameters()}, key=KEY, placement=pl)
+               for m, pl in zip(models, assign_primary(probed))]
+    hub = InProcHub(5)
+    _, threads = _serve(engines, hub)
+    cfg = DcrConfig(transport="inprocess", fanout="relay", reply_timeout_s=30, telemetry_encodings=[])
+    wrong = engine_wiring(hub.transport(0), [0], [1, 2, 3, 4], LocalGroup(), relay=[[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match=r"relay group \[1, 2\]: engine rank 2 holds other views than its root 1"):
+        DeltaRefit(cfg, CanonicalSource(weights), wrong, key=KEY).attach()
+    right = engine_wiring(hub.transport(0), [0], [1, 2, 3, 4], LocalGroup(), relay=relay_groups([1, 2, 3, 4], 2))
+    r = DeltaRefit(cfg, CanonicalSource(weights), right, key=KEY).attach()
+    assert r.committed and r.payload_bytes == 0 and r.bytes_on_links["engine_fanout"] == 0
+    _stop(hub, threads)
+
+
+def test_a_replica_that_failed_a_version_is_resynced_alone():
+    """Three whole-tensor replicas, direct: the one whose apply fails rolls back and is resynced
+    alone to the version the others committed (they apply nothing more)."""
+    g = torch.Generator().manual_seed(1)
+    weights = {f"w{i}": torch.randn(512, generator=g).bfloat16() for i in range(3)}
+    engines = [TensorEngine({n: torch.zeros_like(t) for n, t in weights.items()}, key=KEY) for _ in range(3)]
+    armed = []
+
+    def fail(name):
+        if armed:
+            armed.pop()
+            raise InjectedFault(f"replica 1 fails after writing {name}")
+
+    engines[1].fault = fail
+    hub = InProcHub(4)
+    servers, threads = _serve(engines, hub)
+    cfg = DcrConfig(transport="inprocess", reply_timeout_s=30, telemetry_encodings=[])
+    refit = DeltaRefit(cfg, CanonicalSource(weights), engine_wiring(hub.transport(0), [0], [1, 2, 3], LocalGroup()),
+                       key=KEY)
+    assert refit.attach().committed
+    for step in range(2):
+        weights["w0"].view(torch.int16)[step::7] += 1
+        armed.append(step == 1)
+        if not armed[-1]:
+            armed.pop()
+        r = refit.step()
+        assert r.committed and r.version == 2 + step and [e.version for e in engines] == [r.version] * 3
+        for e in engines:
+            assert all(torch.equal(int_view(e.tensors[n]), int_view(t)) for n, t in weights.items())
+    assert r.resynced and any("InjectedFault" in d for d in r.detected), r
+    assert [s.stats.resyncs for s in servers] == [1, 2, 1]  # the attach, and replica 1's alone
+    assert [v for v, what, _ in servers[0].stats.events if what == "committed"] == [1, 2, 3]
+    _stop(hub, threads)
