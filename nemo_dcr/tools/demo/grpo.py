@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.checkpoint import atomic_write
 from nemo_dcr.tools.demo.recipe_load import load_config, to_yaml
 from nemo_dcr.tools.demo.rollout import rl_config
 from nemo_dcr.tools.demo.trainer import build_trainer, policy_gradient_backward
@@ -263,7 +264,8 @@ def main(argv=None) -> int:
     summary = run(cfg)
     if summary is not None:
         out = Path(args.summary_json or Path(cfg.run.run_dir) / "summary.json")
-        out.write_text(json.dumps(summary, indent=1) + "\n")
+        text = json.dumps(summary, indent=1) + "\n"
+        atomic_write({out: lambda f: f.write(text.encode())})
         _log(f"summary: {out}")
     dist.barrier()
     dist.destroy_process_group()
