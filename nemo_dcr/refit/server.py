@@ -91,7 +91,7 @@ class EngineServer:
     def _state(self, query: Query) -> EngineReply:
         if query.ask == Ask.PLACEMENT:
             return EngineReply(True, self.engine.version, placement=self.engine.placement(), query=query)
-        ck = self.engine.checksums(full=query.ask in (Ask.FULL, Ask.DIGESTS))
+        ck = self.engine.checksums(full=query.ask in (Ask.FULL, Ask.DIGESTS), sample=query.sample)
         dg = self.engine.digests() if query.ask == Ask.DIGESTS else {}
         return EngineReply(True, self.engine.version, checksums=ck.canonical, digests=dg, views=ck.views, query=query)
 

@@ -51,7 +51,7 @@ def _dcr_config():
     from nemo_dcr.config.schema import DcrConfig
 
     # small parts (~1000 changes) so drop and reorder have several parts to act on
-    return DcrConfig(bucket_size_mb=0.01, reply_timeout_s=120, full_verify_interval=4, telemetry_encodings=[])
+    return DcrConfig(bucket_size_mb=0.01, reply_timeout_s=120, verify_steps=4, telemetry_encodings=[])
 
 
 def _transport(cfg: ChaosConfig, rank: int):

@@ -110,7 +110,7 @@ def run(args) -> dict:
         chunks = _wrap_ddp(chunks)
     source = source_from_model(chunks, vocab_size=dims.vocab_size, **uneven)
     stage_layers = check_chunks(chunks, source.plans, dims)
-    cfg = DcrConfig(encoding=args.encoding, full_verify_interval=1)
+    cfg = DcrConfig(encoding=args.encoding, verify="full")
     engine = _empty_engine(source, cfg) if dist.get_rank() == 0 else None
     refit = DeltaRefit.from_config(cfg, source, engine=engine, engine_rank=0)
     trainable = not dims.num_experts and len(chunks) == 1 and not args.ddp
