@@ -34,6 +34,13 @@ class ScarceFolder:
         self.how = ""
         self.exhausted = False
 
+    @classmethod
+    def attached(cls, path: str | os.PathLike, how: str) -> "ScarceFolder":
+        """A handle on a folder another process prepared (``how``: its :attr:`how`)."""
+        folder = cls(path)
+        folder.how = how
+        return folder
+
     def __enter__(self) -> "ScarceFolder":
         self.path.mkdir(parents=True, exist_ok=True)
         mounted = os.geteuid() == 0 and subprocess.run(
