@@ -206,7 +206,7 @@ def checks(engine: ChaosEngine, wd: Workdir, log, stop: threading.Event) -> None
 
 def _transport(cfg, wd: Workdir, generation: int):
     """This engine's endpoint of generation ``generation`` of the refit group."""
-    from .run import refit_transport
+    from .config import refit_transport
 
     return refit_transport(cfg, wd, cfg.trainers, generation)
 
@@ -243,7 +243,7 @@ def engine_main(cfg, generation: int) -> None:
     """The engine process: load, then serve every generation of the refit group until STOP."""
     from nemo_dcr.refit.server import EngineServer
 
-    from .run import KEY, dcr_config
+    from .config import KEY, dcr_config
 
     wd = Workdir(cfg.workdir)
 

@@ -71,7 +71,7 @@ class Trainer:
         from nemo_dcr.tools.megatron import build as am
         from nemo_dcr.tools.megatron.train import MasterAdamW
 
-        from .run import chaos_dims
+        from .config import chaos_dims
 
         self.cfg, self.rank, self.wd = cfg, rank, Workdir(cfg.workdir)
         self.dims = chaos_dims(cfg)
@@ -87,7 +87,7 @@ class Trainer:
     def _wire(self, generation: int):
         from nemo_dcr.refit.wiring import engine_wiring
 
-        from .run import refit_transport
+        from .config import refit_transport
 
         self.switch = KillSwitch(refit_transport(self.cfg, self.wd, self.rank, generation), self.wd)
         return engine_wiring(self.switch, range(self.cfg.trainers), [self.cfg.trainers], self.group)
@@ -96,7 +96,7 @@ class Trainer:
         """A fresh DeltaRefit (a restarted trainer process: new baseline, owners and mirror)."""
         from nemo_dcr.refit import DeltaRefit
 
-        from .run import KEY, dcr_config
+        from .config import KEY, dcr_config
 
         return DeltaRefit.from_config(dcr_config(self.cfg), self.chunks, wiring=self.wiring,
                                       key=KEY if self.cfg.keyed else None, vocab_size=self.dims.vocab_size)
