@@ -44,6 +44,8 @@ from nemo_dcr.transport import Envelope
 MESSAGE_FAULTS = ("drop", "duplicate", "reorder", "corrupt", "crash-mid-apply", "trainer-resume", "version-skew")
 PROCESS_FAULTS = ("kill-engine", "kill-trainer", "stall", "disk-full")
 FAULTS = MESSAGE_FAULTS + PROCESS_FAULTS
+FAILS_BY_DESIGN = ("stall", "disk-full")
+"""Faults whose refit cannot commit: the next refit (which gets no fault) must recover."""
 MAC_BYTES = 32
 ENGINE_KILL_POINTS = ("after a part arrived", "after the version was written", "after the version committed")
 TRAINER_KILL_POINTS = ("while sending", "after the engine acknowledged")
@@ -53,14 +55,21 @@ def schedule(refits: int, faults: tuple[str, ...], seed: int, fault_rate: float)
     """Refit index (1-based) -> fault kind; identical in every process.
 
     With ``fault_rate >= 1`` every refit from the second on gets a fault, cycling through the
-    kinds in a seeded order; otherwise each refit draws a fault with that probability.
+    kinds in a seeded order; otherwise each refit draws a fault with that probability.  The refit
+    after one that fails by design (:data:`FAILS_BY_DESIGN`) is its recovery and gets no fault.
     """
     rng = random.Random(seed)
-    if fault_rate >= 1.0 and faults:
-        order = list(faults)
-        rng.shuffle(order)
-        return {i: order[(i - 2) % len(order)] for i in range(2, refits + 1)}
-    return {i: rng.choice(faults) for i in range(2, refits + 1) if faults and rng.random() < fault_rate}
+    order = list(faults)
+    rng.shuffle(order)
+    plan: dict[int, str] = {}
+    i = 2
+    while i <= refits and faults:
+        if fault_rate >= 1.0:
+            plan[i] = order[len(plan) % len(order)]
+        elif rng.random() < fault_rate:
+            plan[i] = rng.choice(faults)
+        i += 2 if plan.get(i) in FAILS_BY_DESIGN else 1
+    return plan
 
 
 def region(body: bytes, offset: int, keyed: bool) -> str:

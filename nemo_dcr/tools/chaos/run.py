@@ -89,12 +89,13 @@ class Supervisor:
         next_sample = time.monotonic()
         try:
             while time.monotonic() < deadline:
+                looked = time.time()  # what the status says it saw was looked at after this
                 if all(p.exitcode == 0 for p in trainers):
                     engine.join(max(1.0, deadline - time.monotonic()))
                     if engine.exitcode != 0:
                         raise RuntimeError(f"chaos: the engine process ended with exit code {engine.exitcode}")
                     return
-                if engine.exitcode is not None:
+                if engine.exitcode not in (None, 0):  # 0: it served its STOP and ended
                     self._died("engine", self.cfg.trainers, engine)
                     self._next_generation("the engine process died")
                     engine = self._start("engine", self.cfg.trainers)
@@ -108,7 +109,7 @@ class Supervisor:
                         p.join(60)
                     self._next_generation("a trainer process died")
                     trainers = [self._start("trainer", r, dict(after=seen)) for r in range(self.cfg.trainers)]
-                self.wd.publish("status", dict(gen=self.generation, t=time.time()))
+                self.wd.publish("status", dict(gen=self.generation, t=looked))
                 if time.monotonic() >= next_sample:
                     next_sample = time.monotonic() + self.sample_s
                     self._sample(engine, trainers)

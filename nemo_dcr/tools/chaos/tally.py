@@ -30,14 +30,12 @@ from collections import Counter, defaultdict
 
 from nemo_dcr.codec import errors as codec_errors
 
-from .faults import FAULTS
+from .faults import FAILS_BY_DESIGN
 from .state import Workdir
 
 CODEC_ERRORS = {n for n in dir(codec_errors) if n.endswith("Error") and n != "DeltaFormatError"}
 EXPECTED_REFUSAL = {"drop": {"MissingPartError"}, "crash-mid-apply": {"InjectedFault"},
                     "version-skew": {"VersionMismatchError"}, "corrupt": CODEC_ERRORS}
-FAILS_BY_DESIGN = ("stall", "disk-full")
-"""Faults whose refit cannot commit: the next one must."""
 
 
 def _events(engine: list[dict], gen: int, lo: int, hi: int) -> list[tuple[int, str, str]]:
@@ -161,10 +159,11 @@ def _report(cfg, rows, engine, supervisor, by, how, regions, false_alarms, unexp
     mixed, served = _mixed(engine)
     injected = sum(v["injected"] for v in by.values())
     events = Counter(r["event"][1] for r in engine if "event" in r)
-    rss = [r["rss"] for r in supervisor if "rss" in r]
+    first_refit = min((r["t"] for r in rows if r["refit"] > 0), default=0.0)
+    rss = [r["rss"] for r in supervisor if "rss" in r and r["rss"]["t"] >= first_refit]  # loaded and refitting
     hours = seconds / 3600
     return dict(
-        refits=sum(1 for r in rows if not r.get("restart")), refit_rows=len(rows), faults_injected=injected,
+        refits=len({r["refit"] for r in rows if r["refit"] > 0}), refit_rows=len(rows), faults_injected=injected,
         detected=sum(v["detected"] for v in by.values()), recovered=sum(v["recovered"] for v in by.values()),
         by_fault=by, detected_by=dict(how), corrupted_regions=dict(regions), refusals_without_fault=false_alarms,
         failed_without_fault=unexpected, mismatched_refits=not_exact,

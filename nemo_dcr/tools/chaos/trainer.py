@@ -167,13 +167,17 @@ class Trainer:
         return dict(version=-1, fingerprint="", differing=["(no answer from the engine)"])
 
 
+REAP_S = 0.5
+"""Seconds between a peer's sockets closing and its exit being seen (reaped) by the supervisor."""
+
+
 def _ask_supervisor(t: Trainer, since: float) -> int:
-    """The engine generation the supervisor saw after ``since`` (collective; rank 0 asks)."""
+    """The engine generation the supervisor saw, looking after ``since`` (collective; rank 0 asks)."""
     gen = [t.generation]
     if t.rank == 0:
         while True:
             status = t.wd.look("status") or {}
-            if status.get("t", 0) > since:
+            if status.get("t", 0) > since + REAP_S:
                 gen = [status["gen"]]
                 break
             time.sleep(0.05)
