@@ -97,6 +97,9 @@ class RefitSender:
     uncertain: bool = False
     """The last exchange with the engines was lost (a send failed, or no reply within
     ``reply_timeout_s``): what they hold is unknown, so the next refit starts with a recovery."""
+    sent_version: int = 0
+    """The highest version put on the wire: a recovery's target goes past it, so late parts of a
+    lost exchange (an engine that stalled, then read them) cannot commit under the recovery's number."""
     _detected: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -156,6 +159,7 @@ class RefitSender:
         and a failed reply for each engine rank a send to failed (the transport's error: a full
         disk, a lost connection), whose answer is then not awaited."""
         sent, failed = 0, []
+        self.sent_version = max(self.sent_version, version)
         for e in self.engine_ranks:
             mine = [(s, p) for (rank, s), ps in sorted(parts.items()) if rank == e for p in ps]
             envs = [Envelope(kind, version, self.transport.rank, i, False, p, shard=s) for i, (s, p) in enumerate(mine)]
@@ -383,7 +387,7 @@ class RefitSender:
         if lost:
             self._detected += [r.reason for r in state if not r.ok]
             return self._failed(self.mirror.version, "resync", changed, 0, clock)
-        target = max([r.version for r in state] + [self.mirror.version]) + 1
+        target = max([r.version for r in state] + [self.mirror.version, self.sent_version]) + 1
         return self._resync(self.owned, target, trainer_checksums, changed, 0, clock, mode="resync", before=None)
 
     # -- recovery -----------------------------------------------------------------------------
@@ -411,7 +415,7 @@ class RefitSender:
         if mode == "attach":
             self._detected.append("trainer and engine differ at (re)start: " + before.describe())
         bad = {self.mirror.canonical_name(m.name) for m in before.mismatches}
-        target = max(engine_version, self.mirror.version) + 1
+        target = max(engine_version, self.mirror.version, self.sent_version) + 1
         names = [n for n in self.owned if n in bad]
         return self._resync(names, target, trainer_checksums, changed, sent, clock, mode, before)
 
