@@ -274,7 +274,8 @@ def engine_main(cfg, generation: int) -> None:
     log(dict(stopped=True, mixed_version_guard=engine.inner.engine.guard.mixed_version_served
              if cfg.engine != "vllm" else engine.inner.guard.mixed_version_served))
     try:
-        server.transport.close(30)
+        if hasattr(server.transport, "close"):  # DistTransport; the store's files need no closing
+            server.transport.close(30)
     finally:
         if cfg.engine == "vllm":
             served.engine.close()

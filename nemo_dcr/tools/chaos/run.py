@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import replace
 
@@ -142,6 +143,24 @@ def _disk(cfg: ChaosConfig, wd: Workdir):
     return ScarceFolder(wd.store, size_mb=64)
 
 
+@contextlib.contextmanager
+def _terminated_exits():
+    """SIGTERM (e.g. ``timeout``) ends the run through its cleanup: the processes it started are
+    killed, the tmpfs is unmounted, the work folder removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_chaos(cfg: ChaosConfig, timeout: float = 1800.0) -> dict:
     """Run the chaos scenario under the supervisor; return the report (:mod:`.tally`)."""
     from .tally import summarize
@@ -158,5 +177,6 @@ def run_chaos(cfg: ChaosConfig, timeout: float = 1800.0) -> dict:
         with _disk(cfg, wd) as disk:
             if disk is not None:
                 wd.publish("disk", dict(how=disk.how))
-            Supervisor(cfg, wd).run(timeout)
+            with _terminated_exits():
+                Supervisor(cfg, wd).run(timeout)
         return summarize(cfg, wd, time.monotonic() - t0)
