@@ -98,6 +98,8 @@ class Supervisor:
                     return
                 if engine.exitcode not in (None, 0):  # 0: it served its STOP and ended
                     self._died("engine", self.cfg.trainers, engine)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(engine.pid, signal.SIGKILL)  # what it started (vLLM's engine core)
                     self._next_generation("the engine process died")
                     engine = self._start("engine", self.cfg.trainers)
                 dead = [(r, p) for r, p in enumerate(trainers) if p.exitcode not in (None, 0)]
