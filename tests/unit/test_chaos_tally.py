@@ -31,3 +31,11 @@ def test_mixed_versions_are_counted_from_what_the_rollouts_read():
     assert _mixed(stray) == (1, 4)
     other_engine = clean + [_rollout(2, "x", "x", gen=1)]  # a restarted engine's own version 2
     assert _mixed(other_engine) == (0, 4)
+
+
+def test_a_refusal_reported_by_an_engine_rank_names_the_rank_s_error():
+    from nemo_dcr.tools.chaos.tally import _error_names
+
+    detail = "RankRefusedError: v7 refused; ranks that had written it rolled back []: rank 0: AuthenticationError: bad"
+    assert _error_names(detail) == {"RankRefusedError", "AuthenticationError"}
+    assert _error_names("InjectedFault: chaos: crash") == {"InjectedFault"}

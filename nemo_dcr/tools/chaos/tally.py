@@ -26,6 +26,7 @@ the dense check (or in the other rollouts of that version), is a mixed version s
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 
 from nemo_dcr.codec import errors as codec_errors
@@ -42,15 +43,21 @@ def _events(engine: list[dict], gen: int, lo: int, hi: int) -> list[tuple[int, s
     return [tuple(r["event"]) for r in engine if "event" in r and r["gen"] == gen and lo < r["event"][0] <= hi]
 
 
+def _error_names(detail: str) -> set[str]:
+    """The exceptions a refusal names: its own, and those of the ranks it reports (an engine over
+    several ranks refuses with ``RankRefusedError: ... rank 0: AuthenticationError: ...``)."""
+    return set(re.findall(r"\b([A-Z]\w*(?:Error|Fault)):", detail))
+
+
 def _message_fault(row: dict, engine: list[dict]) -> str | None:
     kind, events = row["fault"], _events(engine, row["gen_before"], row["version_before"], row["version"])
     if row["rewired"]:
         return None
     if kind in EXPECTED_REFUSAL:
         for _, what, detail in events:
-            name = detail.split(":", 1)[0]
-            if what == "refused" and name in EXPECTED_REFUSAL[kind]:
-                return name
+            named = _error_names(detail) & EXPECTED_REFUSAL[kind] if what == "refused" else set()
+            if named:
+                return min(named)
         return None
     if kind == "duplicate":
         return "duplicates dropped" if any(w == "duplicate" for _, w, _ in events) else None
