@@ -118,8 +118,8 @@ class TimedEngine:
     def rollback(self):
         return self.inner.rollback()
 
-    def checksums(self, full: bool = False):
-        return self.inner.checksums(full)
+    def checksums(self, full: bool = False, sample=None):
+        return self.inner.checksums(full, sample)
 
     def digests(self):
         return self.inner.digests()
@@ -204,7 +204,8 @@ class Trainer:
         self.states = states
         self.params = {n: t.clone() for n, t in states[0].items()}
         self.transport = transport
-        cfg = DcrConfig(encoding=encoding, reply_timeout_s=600, full_verify_interval=0, telemetry_encodings=[])
+        cfg = DcrConfig(encoding=encoding, reply_timeout_s=600, verify="incremental", verify_steps=0,
+                        telemetry_encodings=[])
         wiring = engine_wiring(transport, [TRAINER], [ENGINE], LocalGroup())
         self.refit = DeltaRefit(cfg, CanonicalSource(self.params), wiring, key=KEY, model="SmolLM2-135M")
         first = self.refit.attach()

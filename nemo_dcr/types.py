@@ -138,15 +138,26 @@ def tensor_from_bits(bits: np.ndarray, spec: DtypeSpec, shape) -> torch.Tensor:
     return carrier(arr).view(spec.torch_dtype).reshape(tuple(shape))
 
 
+class DeltaInputError(ValueError):
+    """A :class:`SparseDelta` whose fields do not fit together; the message names the field."""
+
+
 @dataclass(frozen=True)
 class SparseDelta:
     """Changed elements of one tensor, in some index space (megatron-local or canonical).
+
+    Construction refuses fields that do not fit together (:class:`DeltaInputError` naming the
+    field: an unknown dtype, a shape that is not non-negative integers, arrays that are not 1-D,
+    positions that are not int64, bits that are not the unsigned integers of ``dtype``'s width,
+    lengths that differ); :meth:`validate` adds the checks that cost a pass over the positions.
 
     Attributes:
         name: tensor name in that index space.
         dtype: wire dtype name (see :data:`DTYPES`).
         shape: shape of the whole tensor the positions index into.
-        positions: int64, strictly increasing flat indices of changed elements.
+        positions: int64 flat indices of changed elements, within ``[0, numel)``; strictly
+            increasing wherever the delta is encoded or applied (a remap may reorder them until
+            the owner merges them, :func:`nemo_dcr.refit.routing.merge`).
         new_bits: unsigned integer bits (width of ``dtype``) of the new values, same length.
         old_bits: the bits being replaced, same length, when known (the sender knows them
             from its baseline; the receiver reads them before applying).
@@ -158,6 +169,48 @@ class SparseDelta:
     positions: np.ndarray
     new_bits: np.ndarray
     old_bits: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        where = f"SparseDelta {self.name!r}"
+        if self.dtype not in DTYPES:
+            raise DeltaInputError(f"{where}: dtype {self.dtype!r} is not a wire dtype; known: {', '.join(DTYPES)}")
+        if not isinstance(self.shape, tuple) or not all(
+                isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0 for s in self.shape):
+            raise DeltaInputError(f"{where}: shape must be a tuple of non-negative integers, got {self.shape!r}")
+        uint = DTYPES[self.dtype].uint
+        fields = [("positions", self.positions, np.dtype(np.int64)), ("new_bits", self.new_bits, uint)]
+        if self.old_bits is not None:
+            fields.append(("old_bits", self.old_bits, uint))
+        for field, value, want in fields:
+            if not isinstance(value, np.ndarray) or value.ndim != 1:
+                got = f"a {value.ndim}-D array" if isinstance(value, np.ndarray) else type(value).__name__
+                raise DeltaInputError(f"{where}: {field} must be a 1-D numpy array, got {got}")
+            if value.dtype != want:
+                what = "the unsigned integers of its dtype's width" if field != "positions" else "int64"
+                raise DeltaInputError(f"{where}: {field} are {value.dtype}, expected {want} ({what}; "
+                                      f"dtype {self.dtype!r})")
+        lengths = {f: v.size for f, v, _ in fields}
+        if len(set(lengths.values())) > 1:
+            raise DeltaInputError(f"{where}: lengths differ: " + ", ".join(f"{f} {n}" for f, n in lengths.items()))
+
+    def validate(self) -> SparseDelta:
+        """Positions strictly increasing and within ``[0, numel)`` (a pass over them); returns self.
+
+        Raises:
+            DeltaInputError: naming the first position out of order or out of range.
+        """
+        pos = self.positions
+        if pos.size and (int(pos[0]) < 0 or int(pos[-1]) >= self.numel or (pos.size > 1 and
+                                                                             bool((pos[1:] <= pos[:-1]).any()))):
+            bad = np.flatnonzero(pos[1:] <= pos[:-1]) if pos.size > 1 else np.zeros(0, np.int64)
+            if bad.size:
+                i = int(bad[0]) + 1
+                raise DeltaInputError(f"SparseDelta {self.name!r}: positions must be strictly increasing; "
+                                      f"positions[{i}] = {int(pos[i])} follows {int(pos[i - 1])}")
+            i = int(np.flatnonzero((pos < 0) | (pos >= self.numel))[0])
+            raise DeltaInputError(f"SparseDelta {self.name!r}: positions[{i}] = {int(pos[i])} is outside "
+                                  f"[0, {self.numel}) of shape {self.shape}")
+        return self
 
     @property
     def numel(self) -> int:

@@ -11,8 +11,11 @@ transactions.  :class:`Engine` is the one protocol (docs/engines.md, "The contra
   ...]}`` (shard 0 for an engine holding canonical tensors whole), keeping the undo log;
   ``commit()`` moves to it, ``rollback()`` restores every bit.  :func:`apply_version` is
   prepare-then-commit, the only place that pairs them.
-* ``checksums(full)``: one :class:`EngineChecksums` (the canonical partial sums the trainer's
-  totals are compared with, and the checksums of every shard's views).
+* ``checksums(full, sample)``: one :class:`EngineChecksums` (the canonical partial sums the
+  trainer's totals are compared with, and the checksums of every shard's views): kept from each
+  verified apply, by a full scan (``full``), or over one slice recomputed from the live tensors
+  (``sample``, :class:`~nemo_dcr.verify.sample.Sample`: then the views are the slice's sums over
+  every held element, hashed by canonical index, and the kept values do not change).
 * ``digests()``: sha256 of the raw bits of everything it holds (an equality check for tests and
   chaos, independent of the checksums).
 * ``serving()``: a context manager holding the current version for one generation.
@@ -27,6 +30,7 @@ from typing import ContextManager, Mapping, Protocol, Sequence
 import torch
 
 from nemo_dcr.types import int_view
+from nemo_dcr.verify.sample import Sample
 
 from .errors import IncompletePartsError
 from .transaction import ApplyResult
@@ -67,7 +71,7 @@ class Engine(Protocol):
 
     def rollback(self) -> ApplyResult: ...
 
-    def checksums(self, full: bool = False) -> EngineChecksums: ...
+    def checksums(self, full: bool = False, sample: Sample | None = None) -> EngineChecksums: ...
 
     def digests(self) -> dict[str, str]: ...
 

@@ -27,6 +27,7 @@ import torch
 
 from nemo_dcr.codec import DcrIndexes
 from nemo_dcr.types import host_bits, int_view, spec_of
+from nemo_dcr.verify.sample import Sample
 
 from .contract import EngineChecksums, Parts, shard_parts, tensor_digests
 from .guard import PendingSlot, VersionGuard
@@ -194,15 +195,20 @@ class TensorEngine:
             t = bases[name]
             self.indexes.get(name, host_bits(t), spec_of(t.dtype), self.sums.views[name])
 
-    def checksums(self, full: bool = False) -> EngineChecksums:
-        """Canonical sums and views: incremental (kept from each verified apply) or a full scan.
+    def checksums(self, full: bool = False, sample: Sample | None = None) -> EngineChecksums:
+        """Canonical sums and views: incremental (kept from each verified apply), a full scan, or
+        the sums of ``sample``'s slice recomputed from the live tensors (:meth:`HeldSums.sampled`).
 
         A full scan also replaces the incremental values, so a later incremental check starts
-        from what memory really holds.
+        from what memory really holds; a sampled one changes nothing.
 
         Raises:
-            PendingVersionError: a full scan while a version is prepared.
+            PendingVersionError: a full scan or a sample while a version is prepared.
         """
+        if sample is not None:
+            self._pending.refuse("a sampled checksum")
+            with self.guard.read():
+                return self.sums.sampled(sample)
         if full:
             self._pending.refuse("a full checksum scan")
             with self.guard.read():

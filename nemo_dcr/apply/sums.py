@@ -23,9 +23,10 @@ import numpy as np
 
 from nemo_dcr.types import SparseDelta, host_bits
 from nemo_dcr.verify.checksum import checksums_after, hash_sum, tensor_checksum
+from nemo_dcr.verify.sample import Sample, runs_checksum, whole_checksum
 
 from .contract import EngineChecksums
-from .placement import TensorPlacement
+from .placement import Runs, TensorPlacement
 from .shard_view import ShardView
 from .transaction import ApplyResult, Live
 
@@ -72,6 +73,7 @@ class HeldSums:
         self.tensors, self.placed = tensors, placed
         self.views: dict[str, int] = {}
         self._canonical: dict[str, int] = {}
+        self._primary_runs: dict[str, Runs] = {}
         self.rescan()
 
     def _scan_canonical(self, name: str) -> int:
@@ -97,6 +99,28 @@ class HeldSums:
             return
         moved = [_canonical_delta(d, self.placed[d.name]) for d in result.deltas if d.nnz]
         self._canonical = checksums_after(self._canonical, moved)
+
+    def sampled(self, sample: Sample) -> EngineChecksums:
+        """The sums of ``sample``'s slice recomputed from the live tensors (nothing kept changes):
+        canonical partial sums over the primary elements and, when placed, each view's sum over
+        every element it holds (replicas included), both hashed by canonical index."""
+        if not self.placed:
+            return EngineChecksums({n: whole_checksum(_bits(t), sample, n) for n, t in self.tensors.items()})
+        canonical, views = {}, {}
+        for n, view in self.tensors.items():
+            bits, runs = host_bits(view.param), self.placed[n].runs
+            primary = self._primaries(n)
+            canonical[n] = runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n)
+            views[n] = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, n)
+        return EngineChecksums(canonical, {0: views})
+
+    def _primaries(self, name: str) -> Runs:
+        """Runs of the elements of ``name`` this rank is the primary holder of (built once)."""
+        if name not in self._primary_runs:
+            tp = self.placed[name]
+            view = _primary_view(tp)
+            self._primary_runs[name] = Runs.from_pairs(tp.runs.view_to_canon(view), tp.runs.view_to_local(view))
+        return self._primary_runs[name]
 
     @property
     def canonical(self) -> dict[str, int]:

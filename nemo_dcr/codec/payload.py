@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..kernels import write_bits
-from ..types import SparseDelta, UnsupportedDtypeError, bits_view, spec_of
+from ..types import DeltaInputError, SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
 from .auth import MIN_KEY_BYTES
 from .dcr import DcrIndexes
@@ -83,6 +83,19 @@ def _flat_bits(t: torch.Tensor) -> np.ndarray:
     return bits_view(t.detach().cpu().contiguous())
 
 
+def _base_of(base: Mapping[str, np.ndarray], d: SparseDelta) -> np.ndarray:
+    """The receiver's flat bits of ``d``'s tensor, refused unless they match ``d``'s dtype and size."""
+    if d.name not in base:
+        raise DeltaInputError(f"SparseDelta {d.name!r}: no base bits of that tensor (base has {len(base)} tensors)")
+    bits = base[d.name]
+    want = spec_of(d.dtype).uint
+    if not isinstance(bits, np.ndarray) or bits.dtype != want or bits.size != d.numel:
+        got = f"{bits.dtype}[{bits.size}]" if isinstance(bits, np.ndarray) else type(bits).__name__
+        raise DeltaInputError(f"SparseDelta {d.name!r}: base bits are {got}, the delta's dtype {d.dtype!r} and "
+                              f"shape {d.shape} need {want}[{d.numel}]")
+    return bits
+
+
 def encode_deltas(
     deltas: Sequence[SparseDelta],
     base: Mapping[str, np.ndarray],
@@ -109,7 +122,7 @@ def encode_deltas(
     check_identity(identity.model, identity.run)
     infos, bodies = [], []
     for d in deltas:
-        spec, bits = spec_of(d.dtype), base[d.name]
+        spec, bits = spec_of(d.validate().dtype), _base_of(base, d)
         base_ck = (base_checksums or {}).get(d.name)
         base_ck = tensor_checksum(bits) if base_ck is None else base_ck
         old = bits[d.positions]

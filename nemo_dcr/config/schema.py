@@ -27,6 +27,7 @@ REFUSED_TRANSPORTS = {
 BASELINES = ("device", "pinned", "file")
 FANOUTS = ("direct", "relay")
 FANOUT_ROOTS = ("view", "node")
+VERIFY_MODES = ("full", "sampled", "incremental")
 ENGINE_FORMATS = ("bf16", "fp8")
 FP8_GRANULARITIES = ("block", "channel", "tensor")
 """The granularities of :class:`nemo_dcr.quant.Fp8Scheme` (a test keeps the two lists equal)."""
@@ -94,12 +95,34 @@ class DcrConfig:
     """Where the trainer keeps the engine's bits: ``device``, ``pinned`` (host) or ``file``."""
     baseline_dir: str | None = None
     """Folder of the ``file`` baseline (required for it)."""
-    verify_interval: int = 1
-    """Verify checksums every N refits (incremental from the delta); 0 disables verification."""
+    verify: str = "sampled"
+    """How trainer and engine are compared after every refit (docs/refit.md, "Verification").
+    Every mode first compares the checksums the refit's deltas moved on both sides (what was
+    sent was applied, on every engine rank); then:
+
+    * ``full``: both sides recompute every tensor's checksum from the live tensors (trainer
+      shards, engine params), every refit: an element the capture missed, or a write behind
+      the refit's back on either side, is caught at the next refit (a full pass over the
+      weights on both sides per refit);
+    * ``sampled``: both sides recompute from the live tensors the checksums of one slice of
+      every tensor (about 1/``verify_steps`` of its elements, a different pseudo-random slice
+      each refit, every element once in every ``verify_steps`` refits): caught within
+      ``verify_steps`` refits, at about 1/``verify_steps`` of a full pass per refit;
+    * ``incremental``: the deltas' checksums only, and a ``full`` check every ``verify_steps``
+      refits (0: never, so a missed capture or a stray write stays unseen).
+
+    A live mismatch re-reads the trainer's weights (as a restarted trainer's first sync does) and
+    resyncs the tensors that differ."""
+    verify_steps: int = 16
+    """``sampled``: slices per cycle (every element checked once in every N refits);
+    ``incremental``: refits between full checks (0: none)."""
+    verify_block: int = 256
+    """``sampled``: elements per block of a slice (a slice takes one block in every
+    ``verify_steps`` consecutive blocks of a tensor)."""
+    verify_seed: int = 0
+    """``sampled``: seed of the pseudo-random slices (the same on every rank)."""
     full_resync_interval: int = 0
     """Force a full resync (a delta at 100% density) every N refits; 0: only on mismatch."""
-    full_verify_interval: int = 10
-    """Full checksum scan of every tensor every N refits; 0: never (incremental only)."""
     bucket_size_mb: float = 256.0
     """Payload parts are cut so that the raw changes of one part (position + bits) stay within
     this many MiB: bounds encode, transfer and decode memory per message."""
@@ -176,8 +199,11 @@ class DcrConfig:
             raise ConfigError(f"{prefix}.key_file", "the store transport authenticates messages: set a key file")
         if self.baseline == "file" and not self.baseline_dir:
             raise ConfigError(f"{prefix}.baseline_dir", "the file baseline needs a folder")
-        for name in ("verify_interval", "full_resync_interval", "full_verify_interval"):
-            check_at_least(prefix, name, getattr(self, name), 0)
+        check_one_of(prefix, "verify", self.verify, VERIFY_MODES)
+        check_at_least(prefix, "verify_steps", self.verify_steps, 1 if self.verify == "sampled" else 0)
+        check_at_least(prefix, "verify_block", self.verify_block, 1)
+        check_at_least(prefix, "verify_seed", self.verify_seed, 0)
+        check_at_least(prefix, "full_resync_interval", self.full_resync_interval, 0)
         if not self.bucket_size_mb > 0:
             raise ConfigError(f"{prefix}.bucket_size_mb", f"must be > 0, got {self.bucket_size_mb!r}")
         if not self.reply_timeout_s > 0:

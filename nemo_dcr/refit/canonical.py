@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.types import SparseDelta, host_bits, spec_of
-from nemo_dcr.verify.checksum import tensor_checksum
+from nemo_dcr.verify.sample import Sample, whole_checksum
 
 
 class CanonicalSource:
@@ -55,9 +55,9 @@ class CanonicalSource:
         """Identity: a captured delta is already canonical."""
         return [delta]
 
-    def checksums(self) -> dict[str, int]:
-        """Checksums of the tensors this rank captures (full scan)."""
-        return {n: tensor_checksum(host_bits(self.params[n])) for n in self._captured()}
+    def checksums(self, sample: Sample | None = None) -> dict[str, int]:
+        """Checksums of the tensors this rank captures (full scan, or ``sample``'s slice of them)."""
+        return {n: whole_checksum(host_bits(self.params[n]), sample, n) for n in self._captured()}
 
     def captured(self) -> dict[str, int]:
         """Elements captured per tensor: every element of the tensors this rank captures."""

@@ -56,7 +56,7 @@ from .refit_report import RefitReport
 from .route_views import Router
 from .routing import assign_owners, gather_captured
 from .relay import relay_plan
-from .sender import RefitSender, Tamper, verify_due
+from .sender import RefitSender, Tamper, checks_due
 from .server import EngineServer
 from .source import TrainerSource, source_for
 from .wiring import Wiring, colocated_wiring
@@ -161,6 +161,15 @@ class DeltaRefit:
             RuntimeError: the engine refused the first sync (its reason is in the message).
         """
         t0 = time.perf_counter()
+        report = self._read_weights()
+        if not report.committed:
+            raise RuntimeError(f"the engine refused the first sync: {'; '.join(report.detected)}")
+        return self._finish(report, None, t0)
+
+    def _read_weights(self) -> RefitReport:
+        """Read the trainer's weights afresh (a new capture baseline, mirror and checksums from
+        the live params) and bring the engines to them: the first sync, and the answer to a
+        live check that found trainer and engine apart (a missed capture, a stray write)."""
         clock = PhaseClock()
         with clock(Phase.PLACEMENT):
             self._route_by_placement()
@@ -172,10 +181,7 @@ class DeltaRefit:
         with clock(Phase.CHECKSUM):
             self._checksums = self.source.checksums()
         report = self.sender.attach(pieces, self._checksums)
-        if not report.committed:
-            raise RuntimeError(f"the engine refused the first sync: {'; '.join(report.detected)}")
-        report = replace(report, times={**clock.seconds, **report.times})
-        return self._finish(report, None, t0)
+        return replace(report, times={**clock.seconds, **report.times})
 
     def _route_by_placement(self) -> None:
         """Ask the engines where they hold each canonical element; route records per engine rank
@@ -206,18 +212,25 @@ class DeltaRefit:
         version = self.refits
         clock = PhaseClock()
         pieces = self._capture_pieces(version, clock)
-        check, full = verify_due(self.cfg, self.refits)
+        full, sample = checks_due(self.cfg, self.refits)
         with clock(Phase.CHECKSUM):
             current = self.source.checksums() if full else checksums_after(self._checksums, pieces)
+            live = None if sample is None else self.source.checksums(sample)
         every = self.cfg.full_resync_interval
         if not self.cfg.enabled or (every and self.refits % every == 0):
             report = self.sender.resync(pieces, current)
         else:
-            report = self.sender.refit(pieces, current, full=full, verify=check, tamper=tamper,
+            report = self.sender.refit(pieces, current, full=full, sample=sample, live=live, tamper=tamper,
                                        base_skew=base_skew, telemetry=self.cfg.telemetry_encodings)
         if report.committed:
             self._checksums = current
-        report = replace(report, times={**clock.seconds, **report.times})
+        elif report.verify is not None and report.verify.live and not self.sender.uncertain:
+            found = self._read_weights()  # a live check found them apart: re-read, resync what differs
+            report = replace(found, mode="resync", detected=report.detected + found.detected,
+                             payload_bytes=report.payload_bytes + found.payload_bytes,
+                             times=_added(report.times, found.times))
+            version = None  # the new baseline holds the live weights already
+        report = replace(report, times=_added(clock.seconds, report.times))
         return self._finish(report, version, t0)
 
     def _capture_pieces(self, version: int, clock: PhaseClock) -> list[SparseDelta]:
@@ -299,6 +312,13 @@ class DeltaRefit:
 
 HOST_LINKS = ("trainer_to_trainer", "trainer_to_engine", "trainer_to_other_hosts")
 """The links of :attr:`RefitReport.bytes_by_host`, per host, in this order."""
+def _added(*times: dict[str, float]) -> dict[str, float]:
+    """Phase seconds of several spans of one call, added per phase."""
+    out: dict[str, float] = {}
+    for t in times:
+        for k, v in t.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def _key(cfg: DcrConfig) -> bytes | None:

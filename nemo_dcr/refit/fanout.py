@@ -29,6 +29,7 @@ from nemo_dcr.apply.placement import RankPlacement, view_delta
 from nemo_dcr.codec import Identity, encode_deltas
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import tensor_checksum
+from nemo_dcr.verify.sample import Sample
 
 from .mirror import SenderMirror
 from .payloads import buckets, resync_payload
@@ -71,12 +72,12 @@ class Fanout:
         return self.mirror.view_checksum(name, self.routes[rank][name].runs, self._views[(rank, name)])
 
     def view_mismatches(self, names: Sequence[str], views: Mapping[object, Mapping[str, int] | None],
-                        current: Callable[[str], np.ndarray] | None = None
+                        current: Callable[[str], np.ndarray] | None = None, sample: Sample | None = None
                         ) -> tuple[list[tuple[str, object, int, int | None]], int]:
         """Compare the views of ``names`` each engine shard in ``views`` (route key -> what it
         reported; None: it did not answer, so every view it holds differs) reported with the
-        expected values: from the committed mirror, or from ``current(name)`` (canonical flat bits:
-        the trainer's state) when given.
+        expected values: from the committed mirror, from ``current(name)`` (canonical flat bits:
+        the trainer's state) when given, or ``sample``'s slice of the committed mirror.
 
         Returns:
             ``(name, route key, expected, reported)`` of each differing view, and the views compared.
@@ -89,7 +90,12 @@ class Fanout:
                     continue
                 compared += 1
                 got = None if views[rank] is None else views[rank].get(name)
-                want = self._checksum(rank, name) if bits is None else tensor_checksum(self.view_bits(rank, name, bits))
+                if sample is not None:
+                    want = self.mirror.sampled_view(name, placement[name].runs, sample)
+                elif bits is None:
+                    want = self._checksum(rank, name)
+                else:
+                    want = tensor_checksum(self.view_bits(rank, name, bits))
                 if got != want:
                     out.append((name, rank, want, got))
         return out, compared

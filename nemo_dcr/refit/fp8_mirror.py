@@ -40,6 +40,7 @@ from nemo_dcr.codec import Identity, encode_deltas
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.quant.fp8 import scale_inv_from_amax
 from nemo_dcr.types import DTYPES, SparseDelta, carrier
+from nemo_dcr.verify.sample import Sample, whole_checksum
 
 from .mirror import SenderMirror
 
@@ -197,9 +198,12 @@ class Fp8Mirror:
         """The canonical tensor an engine tensor belongs to."""
         return self._scale_of.get(engine_name, engine_name)
 
-    def trainer_side(self, checksums: Mapping[str, int]) -> dict[str, int]:
+    def trainer_side(self, checksums: Mapping[str, int], sample: Sample | None = None) -> dict[str, int]:
         """The trainer-side checksums to compare with the engine's: the engine-format tensors of
-        the trainer's current state (the engine holds no BF16 copy of the FP8 weights)."""
+        the trainer's current state (the engine holds no BF16 copy of the FP8 weights); for a
+        sampled check (after the version committed), ``sample``'s slice of them."""
+        if sample is not None:
+            return {n: whole_checksum(b, sample, n) for n, b in self.engine.bits.items()}
         return self.current_checksums()
 
     def telemetry(self, encoding: str | None) -> dict[str, int]:

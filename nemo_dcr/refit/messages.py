@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
+from nemo_dcr.verify.sample import Sample
+
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _SHARD = re.compile(r"0|[1-9][0-9]{0,8}")
@@ -38,6 +40,9 @@ class Ask(str, Enum):
     check independent of the checksums)."""
     PLACEMENT = "placement"
     """The engine's placement per shard (empty: it holds canonical tensors whole)."""
+    SAMPLED = "sampled"
+    """Checksums of one slice of every tensor recomputed from the live tensors (the query's
+    ``sample``, :class:`~nemo_dcr.verify.sample.Sample`); the kept values are not changed."""
 
 
 def _object(data: bytes, what: str, keys: tuple[str, ...]) -> dict:
@@ -92,31 +97,53 @@ class Query:
     Attributes:
         ask: what is asked.
         id: the asker's number for this query; the answer carries it back.
+        sample: the slice a :attr:`Ask.SAMPLED` query asks for (None for every other ask).
     """
 
     ask: Ask
     id: int = 0
+    sample: Sample | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ask == Ask.SAMPLED) != (self.sample is not None):
+            raise ValueError(f"a {Ask(self.ask).value!r} query {'needs' if self.sample is None else 'takes no'} sample")
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"ask": ..., "id": ...}``, with ``"sample"`` for a sampled query."""
+        out: dict[str, Any] = {"ask": Ask(self.ask).value, "id": self.id}
+        if self.sample is not None:
+            out["sample"] = self.sample.to_json()
+        return out
 
     def to_bytes(self) -> bytes:
-        """``{"ask": ..., "id": ...}`` as UTF-8 JSON."""
-        return json.dumps({"ask": Ask(self.ask).value, "id": self.id}).encode()
+        """:meth:`to_json` as UTF-8 JSON."""
+        return json.dumps(self.to_json()).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Query":
         """Inverse of :meth:`to_bytes`.
 
         Raises:
-            MessageFormatError: not such an object, an unknown ``ask``, or a bad ``id``.
+            MessageFormatError: not such an object, an unknown ``ask``, a bad ``id`` or ``sample``.
         """
-        return cls.from_json(_object(data, "query", ("ask", "id")))
+        try:
+            obj = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise MessageFormatError(f"query is not UTF-8 JSON: {exc}") from None
+        return cls.from_json(obj)
 
     @classmethod
     def from_json(cls, obj: Any, what: str = "query") -> "Query":
         """From the decoded JSON value (a query body, or the ``query`` of a reply)."""
-        obj = _keys(obj, what, ("ask", "id"))
+        sampled = isinstance(obj, dict) and obj.get("ask") == Ask.SAMPLED.value
+        obj = _keys(obj, what, ("ask", "id", "sample") if sampled else ("ask", "id"))
         if obj["ask"] not in {a.value for a in Ask}:
             raise MessageFormatError(f"{what} asks {obj['ask']!r}; known: {[a.value for a in Ask]}")
-        return cls(Ask(obj["ask"]), _int(obj["id"], f"{what} id"))
+        try:
+            sample = Sample.from_json(obj["sample"]) if sampled else None
+        except ValueError as exc:
+            raise MessageFormatError(f"{what} sample: {exc}") from None
+        return cls(Ask(obj["ask"]), _int(obj["id"], f"{what} id"), sample)
 
 
 _REPLY_KEYS = ("ok", "version", "query", "reason", "checksums", "views", "digests", "touched", "placement")
@@ -153,7 +180,7 @@ class EngineReply:
         """UTF-8 JSON, keys in the order of docs/wire_format.md (checksums as 16 hex digits)."""
         return json.dumps(dict(
             ok=self.ok, version=self.version,
-            query=None if self.query is None else {"ask": Ask(self.query.ask).value, "id": self.query.id},
+            query=None if self.query is None else self.query.to_json(),
             reason=self.reason, checksums=_hexes(self.checksums),
             views={str(s): _hexes(v) for s, v in sorted(self.views.items())},
             digests=self.digests, touched=self.touched, placement=self.placement)).encode()

@@ -23,6 +23,7 @@ from nemo_dcr.apply.placement import Runs, view_delta
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view
 from nemo_dcr.verify.checksum import checksum_after, checksums_after, tensor_checksum
+from nemo_dcr.verify.sample import Sample, runs_checksum
 
 from .payloads import buckets
 
@@ -139,10 +140,16 @@ class SenderMirror:
         """The canonical tensor an engine tensor belongs to (here: itself)."""
         return engine_name
 
-    def trainer_side(self, checksums: Mapping[str, int]) -> Mapping[str, int]:
+    def trainer_side(self, checksums: Mapping[str, int], sample: Sample | None = None) -> Mapping[str, int]:
         """The trainer's partial checksums to compare with the engine's: its live params' own
-        (``checksums``), independent of this mirror."""
+        (``checksums``, of ``sample``'s slice for a sampled check), independent of this mirror."""
         return checksums
+
+    def sampled_view(self, name: str, runs: Runs, sample: Sample) -> int:
+        """``sample``'s slice of an engine shard's view of ``name`` (the elements at ``runs``,
+        hashed by canonical index) as the committed mirror bits make it: what that shard's
+        sampled view sum must be."""
+        return runs_checksum(self.bits[name], runs.canon, runs.canon, runs.length, sample, name)
 
     def telemetry(self, encoding: str | None) -> dict[str, int]:
         """Counts of the engine format for the report (none for canonical tensors)."""

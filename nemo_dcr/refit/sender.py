@@ -26,6 +26,7 @@ from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import MASK64
 from nemo_dcr.verify.compare import ChecksumMismatch, VerifyReport, compare
+from nemo_dcr.verify.sample import Sample
 
 from .fanout import Fanout
 from .fp8_mirror import Fp8Mirror
@@ -37,6 +38,11 @@ from .refit_report import RefitReport
 from .relay import RelayPlan
 from .route_views import Router
 
+def _lost(reason: str) -> EngineReply:
+    """The failed reply standing for an exchange with ``engine_rank`` the transport lost."""
+    return EngineReply(False, -1, reason=reason)
+
+
 Tamper = Callable[[list[Envelope]], list[Envelope]]
 """Fault injection between encoding and sending (chaos): may drop, duplicate, reorder, corrupt."""
 
@@ -44,11 +50,14 @@ RAW_BYTES_PER_CHANGE = 10
 """Bytes of one changed bf16 element before coding (int64 position + bits): sizes payload parts."""
 
 
-def verify_due(cfg: DcrConfig, refit_index: int) -> tuple[bool, bool]:
-    """(compare checksums, with a full scan on both sides) for refit number ``refit_index`` (1-based)."""
-    full = bool(cfg.full_verify_interval) and refit_index % cfg.full_verify_interval == 0
-    every = bool(cfg.verify_interval) and refit_index % cfg.verify_interval == 0
-    return every or full, full
+def checks_due(cfg: DcrConfig, refit_index: int) -> tuple[bool, Sample | None]:
+    """``(full check, sample)`` of refit number ``refit_index`` (1-based) under ``cfg.verify``: a
+    full scan on both sides, or the slice of a sampled check (neither: the deltas' checksums only)."""
+    if cfg.verify == "full":
+        return True, None
+    if cfg.verify == "incremental":
+        return bool(cfg.verify_steps) and refit_index % cfg.verify_steps == 0, None
+    return False, Sample(refit_index, cfg.verify_steps, cfg.verify_block, cfg.verify_seed)
 
 
 @dataclass
@@ -90,6 +99,12 @@ class RefitSender:
     refits: int = 0
     queries: int = 0
     """Queries sent so far (each query's id; its answer carries it back)."""
+    uncertain: bool = False
+    """The last exchange with the engines was lost (a send failed, or no reply within
+    ``reply_timeout_s``): what they hold is unknown, so the next refit starts with a recovery."""
+    sent_version: int = 0
+    """The highest version put on the wire: a recovery's target goes past it, so late parts of a
+    lost exchange (an engine that stalled, then read them) cannot commit under the recovery's number."""
     _detected: list[str] = field(default_factory=list)
     _relayed: int = 0
     """Payload bytes the relay roots pass on inside the rollout cluster this refit (what was sent to
@@ -97,6 +112,11 @@ class RefitSender:
 
     def __post_init__(self):
         self.relay = self.relay or RelayPlan.direct(self.engine_ranks)
+        self.set_routes(self.routes)
+
+    def set_mirror(self, mirror: SenderMirror | Fp8Mirror) -> None:
+        """Start over from ``mirror`` (a fresh one: the trainer's weights are re-read)."""
+        self.mirror = mirror
         self.set_routes(self.routes)
 
     def set_routes(self, routes: Mapping[tuple[int, int], RankPlacement] | None) -> None:
@@ -151,28 +171,34 @@ class RefitSender:
         return replace(report, route_bytes=self.router.sent.to_others, fanout_bytes=self._relayed)
 
     def _send(self, kind: MessageKind, version: int, parts: Mapping[tuple[int, int], Sequence[bytes]],
-              tamper: Tamper | None, ranks: Sequence[int] | None = None) -> int:
+              tamper: Tamper | None, ranks: Sequence[int] | None = None) -> tuple[int, list[EngineReply]]:
         """Send the engine ranks (``ranks``, default all) their parts (numbered across its shards) and
         an end-of-version marker, through their relay roots (:meth:`RelayPlan.destinations`);
-        returns payload bytes put on the transport (after tampering: what really crossed)."""
-        sent = 0
+        returns payload bytes put on the transport (after tampering: what really crossed) and a
+        failed reply for each engine rank a send to failed (the transport's error: a full disk, a
+        lost connection), whose answer is then not awaited."""
+        sent, failed = 0, []
+        self.sent_version = max(self.sent_version, version)
         for e, reach in self.relay.destinations(self.engine_ranks if ranks is None else ranks):
             mine = [(s, p) for (rank, s), ps in sorted(parts.items()) if rank == e for p in ps]
             envs = [Envelope(kind, version, self.transport.rank, i, False, p, shard=s) for i, (s, p) in enumerate(mine)]
             envs = tamper(envs) if tamper else envs
             envs.append(Envelope(kind, version, self.transport.rank, len(mine), True))
-            for env in envs:
-                self.transport.send(e, env)
-                sent += len(env.body)
-                self._relayed += len(env.body) * (reach - 1)
-        self.transport.flush()
-        return sent
+            try:
+                for env in envs:
+                    self.transport.send(e, env)
+                    sent += len(env.body)
+                    self._relayed += len(env.body) * (reach - 1)
+                self.transport.flush()
+            except TransportError as exc:
+                failed.append(_lost(f"could not send to engine rank {e}: {exc}"))
+        return sent, failed
 
     def _await(self, version: int, kinds: tuple[MessageKind, ...], query: Query | None = None,
                ranks: Sequence[int] | None = None) -> list[EngineReply]:
-        """Every engine rank's (of ``ranks``, default all) reply of one of ``kinds`` about ``version``
-        (or answering ``query``); other messages are stale and skipped.  No reply, or a malformed
-        one, is a failed reply."""
+        """Every engine rank's (of ``ranks``, default all) reply of one of ``kinds`` about
+        ``version`` (or answering ``query``); other messages are stale and skipped.  No reply, or
+        a malformed one, is a failed reply (version -1)."""
         replies = []
         for e in self.engine_ranks if ranks is None else ranks:
             while True:
@@ -182,7 +208,7 @@ class RefitSender:
                         continue
                     reply = EngineReply.from_bytes(env.body)
                 except TransportError as exc:
-                    reply = EngineReply(False, -1, reason=f"no reply from engine rank {e}: {exc}")
+                    reply = _lost(f"no reply from engine rank {e} within {self.cfg.reply_timeout_s:g}s: {exc}")
                 except MessageFormatError as exc:
                     reply = EngineReply(False, -1, reason=f"malformed reply from engine rank {e}: {exc}")
                 if query is None or reply.query == query or reply.version < 0:
@@ -190,33 +216,49 @@ class RefitSender:
                     break
         return replies
 
-    def query(self, ask: Ask = Ask.FULL) -> list[EngineReply]:
-        """Ask every engine rank for its state (version and checksums; ``ask`` selects what)."""
+    def query(self, ask: Ask = Ask.FULL, sample: Sample | None = None) -> list[EngineReply]:
+        """Ask every engine rank for its state (version and checksums; ``ask`` selects what, a
+        sampled check names its slice); an engine rank the query could not be sent to answers
+        with a failed reply (the transport's error)."""
         self.queries += 1
-        query = Query(ask, self.queries)
+        query = Query(ask, self.queries, sample)
+        failed: dict[int, EngineReply] = {}
         for e in self.engine_ranks:
-            self.transport.send(e, Envelope(MessageKind.QUERY, 0, self.transport.rank, body=query.to_bytes()))
-        self.transport.flush()
-        return self._await(0, (MessageKind.STATE,), query)
+            try:
+                self.transport.send(e, Envelope(MessageKind.QUERY, 0, self.transport.rank, body=query.to_bytes()))
+                self.transport.flush()
+            except TransportError as exc:
+                failed[e] = _lost(f"could not send a query to engine rank {e}: {exc}")
+        if not failed:
+            return self._await(0, (MessageKind.STATE,), query)
+        return [failed.get(e) or self._await(0, (MessageKind.STATE,), query, [e])[0] for e in self.engine_ranks]
+
+    def _agree(self, replies: Sequence[EngineReply]) -> tuple[bool, bool]:
+        """(every rank's replies all ok, some rank lost an exchange): collective, the same on
+        every rank; a loss leaves the sender :attr:`uncertain`."""
+        bad, lost = self.group.sum_ints([int(not all(r.ok for r in replies)), int(any(r.version < 0 for r in replies))])
+        self.uncertain = bool(lost)
+        return not bad, bool(lost)
 
     def _verify(self, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool,
-                current: bool = False) -> VerifyReport:
+                current: bool = False, sample: Sample | None = None, live: bool = False) -> VerifyReport:
         """Trainer totals against the engines' (summed) checksums; with routes also every engine
         rank's own views against the mirror (``current``: against the trainer's state, mirror
-        plus staged changes), so a replica the sums count once (TP-replicated norms, a second
-        DP engine) cannot diverge unseen.  Collective; every rank gets the same report."""
+        plus staged changes; ``sample``: the slice of the committed mirror), so a replica the sums
+        count once (TP-replicated norms, a second DP engine) cannot diverge unseen.  Collective;
+        every rank gets the same report."""
         names = self.mirror.engine_names(sorted(self.owners))  # the engine's tensors, in one order on every rank
-        totals = self.group.sum_u64(self.mirror.trainer_side(trainer), names)
+        totals = self.group.sum_u64(self.mirror.trainer_side(trainer, sample), names)
         version = max(r.version for r in replies)
         if self._fanout is None:  # every rank holds every tensor whole: each rank's own values
-            return _each_rank(totals, self.engine_ranks, replies, version, full)
+            return _each_rank(totals, self.engine_ranks, replies, version, full, sample, live)
         engine: dict[str, int] = {}
         for r in replies:  # canonical partial sums of each rank
             for n, c in r.checksums.items():
                 engine[n] = (engine.get(n, 0) + c) & MASK64
-        report = compare(totals, engine, version, full)
+        report = compare(totals, engine, version, full, sample, live)
         local, compared = self._fanout.view_mismatches(self.owned, self._reported_views(replies),
-                                                       self.mirror.current_bits if current else None)
+                                                       self.mirror.current_bits if current else None, sample)
         local = [(n, e, shard, want, got) for n, (e, shard), want, got in local]
         seen = [json.loads(b) for b in self.group.exchange([json.dumps([compared, local]).encode()] * self.group.size)]
         rows = sorted({tuple(m) for _, ms in seen for m in ms}, key=lambda m: (m[0], m[1], m[2]))
@@ -234,6 +276,24 @@ class RefitSender:
                 out[key] = r.views.get(key[1], {}) if r.ok else None
         return out
 
+    def _check(self, version: int, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool,
+               sample: Sample | None, live: Mapping[str, int] | None) -> VerifyReport:
+        """The comparisons of an acknowledged ``version`` (``dcr.verify``): both sides' full scans
+        (``full``), or the checksums the deltas moved and then, with ``sample``, its slice of both
+        sides' live tensors (``live``: this rank's partial sums of it)."""
+        if not full:
+            report = self._verify(trainer, replies, full=False)
+            if not report.ok or sample is None:
+                return report
+        state = self.query() if full else self.query(Ask.SAMPLED, sample)
+        if not self._agree(state)[0]:
+            why = "; ".join(r.reason for r in state if not r.ok) or "a peer saw a failed answer"
+            return VerifyReport(version, full, 0, (ChecksumMismatch(f"(no answer: {why})", None, None),),
+                                sample, live=True)
+        if full:
+            return self._verify(trainer, state, full=True, live=True)
+        return self._verify(live or {}, state, full=False, sample=sample, live=True)
+
     # -- the three entry points -------------------------------------------------------------
 
     def _telemetry(self, owned: Sequence[SparseDelta], encodings: Sequence[str]) -> dict[str, int]:
@@ -246,22 +306,32 @@ class RefitSender:
         return out
 
     def refit(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int], *, full: bool = False,
-              verify: bool = True, tamper: Tamper | None = None, base_skew: int = 0,
-              telemetry: Sequence[str] = ()) -> RefitReport:
+              sample: Sample | None = None, live: Mapping[str, int] | None = None, tamper: Tamper | None = None,
+              base_skew: int = 0, telemetry: Sequence[str] = ()) -> RefitReport:
         """Ship this version's changes; collective over the trainer group.
+
+        After the engines acknowledged, the checksums are compared (:meth:`_check`).  A refusal,
+        a gap or a mismatch of the deltas' checksums is recovered at once (resync of what
+        differs); a mismatch of a live check is returned uncommitted (its ``verify.live``): the
+        caller re-reads its weights (:meth:`DeltaRefit.step <nemo_dcr.refit.DeltaRefit.step>`).
+        A lost exchange (a failed send, no reply in time) is returned uncommitted at once and the
+        next call recovers first (:attr:`uncertain`).
 
         Args:
             pieces: this rank's canonical changes since its committed baseline.
-            trainer_checksums: this rank's partial checksums of its current weights.
-            full: compare full scans (the engine rescans; ``trainer_checksums`` must be a full scan too).
-            verify: compare checksums after the engine acknowledged.
+            trainer_checksums: this rank's partial checksums of its current weights (a full scan
+                with ``full``, else moved by the captured changes).
+            full: compare both sides' full scans of their live tensors.
+            sample: the slice of a sampled check; ``live`` then holds this rank's partial sums of it.
             tamper: fault injection on the outgoing envelopes.
             base_skew: added to the payload's base version (version-skew fault injection).
             telemetry: further encodings whose payload sizes are measured for the report (not sent).
         """
-        return self._ended(self._refit(pieces, trainer_checksums, full, verify, tamper, base_skew, telemetry))
+        if self.uncertain:
+            return self.resync(pieces, trainer_checksums, only_differing=True)
+        return self._ended(self._refit(pieces, trainer_checksums, full, sample, live, tamper, base_skew, telemetry))
 
-    def _refit(self, pieces, trainer_checksums, full, verify, tamper, base_skew, telemetry) -> RefitReport:
+    def _refit(self, pieces, trainer_checksums, full, sample, live, tamper, base_skew, telemetry) -> RefitReport:
         self.refits += 1
         self._detected, self._relayed = [], 0
         clock = PhaseClock()
@@ -273,24 +343,26 @@ class RefitSender:
             ident = Identity(self.model, "", self.mirror.version + base_skew, version + base_skew)
             sent_deltas, parts = self._encode(owned, ident)
         with clock(Phase.SEND):
-            sent = self._send(MessageKind.DELTA, version, parts, tamper)
+            sent, failed = self._send(MessageKind.DELTA, version, parts, tamper)
         with clock(Phase.AWAIT):
-            replies = self._await(version, (MessageKind.ACK, MessageKind.NACK))
-            ok = self.group.all_true(all(r.ok for r in replies))
+            replies = failed or self._await(version, (MessageKind.ACK, MessageKind.NACK))
+            ok, lost = self._agree(replies)
         changed = sum(d.nnz for d in owned)
         with clock(Phase.TELEMETRY):
             sizes = self._telemetry(sent_deltas, telemetry)
             fmt = self.mirror.telemetry(self.cfg.encoding if telemetry else None)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
+            if lost:
+                return self._failed(version, "delta", changed, sent, clock)
             return self._recover(trainer_checksums, changed, sent, clock)
         with clock(Phase.VERIFY):
             self.mirror.commit(version)
-            report = None
-            if verify or full:
-                report = self._verify(trainer_checksums, self.query() if full else replies, full)
-        if report is not None and not report.ok:
+            report = self._check(version, trainer_checksums, replies, full, sample, live)
+        if not report.ok:
             self._detected.append("checksum mismatch: " + report.describe())
+            if report.live or self.uncertain:
+                return self._failed(version, "delta", changed, sent, clock, report)
             return self._recover(trainer_checksums, changed, sent, clock)
         kinds: dict[str, dict[str, int]] = {}
         for d in owned:
@@ -300,6 +372,12 @@ class RefitSender:
                            bytes_by_encoding={self.cfg.encoding: sent, **sizes}, by_layer_type=kinds,
                            times=clock.seconds, verify=report, engine_format=fmt)
 
+    def _failed(self, version: int, mode: str, changed: int, sent: int, clock: PhaseClock,
+                verify: VerifyReport | None = None) -> RefitReport:
+        """An uncommitted report of what was detected (nothing recovered in this call)."""
+        return RefitReport(version, mode, False, False, tuple(self._detected), changed, payload_bytes=sent,
+                           times=clock.seconds, verify=verify)
+
     def attach(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitReport:
         """(Re)start: ``pieces`` are all nonzero elements (captured against a zero baseline).
 
@@ -308,24 +386,39 @@ class RefitSender:
         owners its view of their tensors (refit/route_views.py).
         """
         self._detected, self._relayed = [], 0
+        self.uncertain = False
         clock = PhaseClock()
         with clock(Phase.ROUTE):
             owned = self.mirror.changes(self._route(pieces, attach=True))
             self.mirror.stage(owned, 1)
         return self._ended(self._recover(trainer_checksums, sum(d.nnz for d in owned), 0, clock, mode="attach"))
 
-    def resync(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int]) -> RefitReport:
-        """Send every owned tensor whole (this version's changes included) through the protocol."""
+    def resync(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int],
+               only_differing: bool = False) -> RefitReport:
+        """Send every owned tensor whole (this version's changes included) through the protocol;
+        ``only_differing``: the tensors whose checksums differ from the engines' full scan (the
+        recovery after a lost exchange)."""
+        return self._ended(self._whole(pieces, trainer_checksums, only_differing))
+
+    def _whole(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int],
+               only_differing: bool) -> RefitReport:
         self.refits += 1
-        self._detected, self._relayed = [], 0
+        self._detected = ["recovering after a lost exchange with the engines"] if only_differing else []
+        self._relayed = 0
         clock = PhaseClock()
         with clock(Phase.ROUTE):
             owned = self.mirror.changes(self._route(pieces))
             self.mirror.stage(owned, self.mirror.version + 1)
+        changed = sum(d.nnz for d in owned)
+        if only_differing:
+            return self._recover(trainer_checksums, changed, 0, clock, mode="resync")
         state = self.query()
-        target = max([r.version for r in state] + [self.mirror.version]) + 1
-        return self._ended(self._resync(self.owned, target, trainer_checksums, sum(d.nnz for d in owned), 0, clock,
-                                        mode="resync", before=None))
+        ok, lost = self._agree(state)
+        if lost:
+            self._detected += [r.reason for r in state if not r.ok]
+            return self._failed(self.mirror.version, "resync", changed, 0, clock)
+        target = max([r.version for r in state] + [self.mirror.version, self.sent_version]) + 1
+        return self._resync(self.owned, target, trainer_checksums, changed, 0, clock, mode="resync", before=None)
 
     # -- recovery -----------------------------------------------------------------------------
 
@@ -339,17 +432,20 @@ class RefitSender:
                  mode: str = "delta") -> RefitReport:
         with clock(Phase.VERIFY):
             state = self.query()
+            _, lost = self._agree(state)
+            if lost:
+                self._detected += [r.reason for r in state if not r.ok]
+                return self._failed(self.mirror.version, mode, changed, sent, clock)
             before = self._verify(trainer_checksums, state, full=True, current=True)
         engine_version = max(r.version for r in state)
-        if before.ok and engine_version >= 0:
+        if before.ok:  # the engines hold the trainer's state already: settle there
             self._reset(self.owned, engine_version)
-            if mode == "attach":
-                return RefitReport(engine_version, mode, True, False, (), changed, payload_bytes=sent,
-                                   times=clock.seconds, verify=before)
-        elif mode == "attach":
+            return RefitReport(engine_version, mode, True, False, tuple(self._detected), changed,
+                               payload_bytes=sent, times=clock.seconds, verify=before)
+        if mode == "attach":
             self._detected.append("trainer and engine differ at (re)start: " + before.describe())
         bad = {self.mirror.canonical_name(m.name) for m in before.mismatches}
-        target, ranks = max(engine_version, self.mirror.version) + 1, None
+        target, ranks = max(engine_version, self.mirror.version, self.sent_version) + 1, None
         alone = None if before.ok else self._lagging(state, before)
         if alone is not None:
             target, ranks = alone
@@ -375,10 +471,11 @@ class RefitSender:
         with clock(Phase.ENCODE):
             parts = self._resync_parts(names, target)
         with clock(Phase.SEND):
-            sent += self._send(MessageKind.RESYNC, target, parts, None, ranks)
+            more, failed = self._send(MessageKind.RESYNC, target, parts, None, ranks)
+            sent += more
         with clock(Phase.AWAIT):
-            replies = self._await(target, (MessageKind.ACK, MessageKind.NACK), ranks=ranks)
-            ok = self.group.all_true(all(r.ok for r in replies))
+            replies = failed or self._await(target, (MessageKind.ACK, MessageKind.NACK), ranks=ranks)
+            ok, _ = self._agree(replies)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             version = max(r.version for r in replies)
@@ -394,12 +491,12 @@ class RefitSender:
 
 
 def _each_rank(totals: Mapping[str, int], ranks: Sequence[int], replies: Sequence[EngineReply], version: int,
-               full: bool) -> VerifyReport:
+               full: bool, sample: Sample | None = None, live: bool = False) -> VerifyReport:
     """Trainer totals against every engine rank's own values (engine ranks holding every tensor
     whole, e.g. data-parallel replicas: each is a full copy, so each is compared)."""
-    reports = [compare(totals, r.checksums, version, full) for r in replies]
+    reports = [compare(totals, r.checksums, version, full, sample, live) for r in replies]
     if len(reports) == 1:
         return replace(reports[0], mismatches=tuple(replace(m, engine_rank=ranks[0]) for m in reports[0].mismatches))
     bad = tuple(replace(m, where=f"engine rank {e}", engine_rank=e) for e, rep in zip(ranks, reports)
                 for m in rep.mismatches)
-    return VerifyReport(version, full, sum(r.checked for r in reports), bad)
+    return VerifyReport(version, full, sum(r.checked for r in reports), bad, sample, live)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from nemo_dcr.apply import Engine, apply_version
-from nemo_dcr.transport import Envelope, MessageKind, Transport
+from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
 
 from .messages import Ask, EngineReply, MessageFormatError, Query
 
@@ -91,7 +91,7 @@ class EngineServer:
     def _state(self, query: Query) -> EngineReply:
         if query.ask == Ask.PLACEMENT:
             return EngineReply(True, self.engine.version, placement=self.engine.placement(), query=query)
-        ck = self.engine.checksums(full=query.ask in (Ask.FULL, Ask.DIGESTS))
+        ck = self.engine.checksums(full=query.ask in (Ask.FULL, Ask.DIGESTS), sample=query.sample)
         dg = self.engine.digests() if query.ask == Ask.DIGESTS else {}
         return EngineReply(True, self.engine.version, checksums=ck.canonical, digests=dg, views=ck.views, query=query)
 
@@ -149,9 +149,18 @@ class EngineServer:
         self._reply(MessageKind.NACK, version, self.senders, reply)
 
     def _reply(self, kind: MessageKind, version: int, dsts, reply: EngineReply) -> None:
+        """Send ``reply`` to each of ``dsts``; one the transport cannot deliver (a full disk, a
+        sender that died) is recorded as a ``reply-lost`` event and the server keeps serving
+        (that sender times out and recovers)."""
         for d in dsts:
-            self.transport.send(d, Envelope(kind, version, self.transport.rank, body=reply.to_bytes()))
-        self.transport.flush()
+            try:
+                self.transport.send(d, Envelope(kind, version, self.transport.rank, body=reply.to_bytes()))
+            except TransportError as exc:
+                self.stats.note(version, "reply-lost", f"to {d}: {str(exc)[:300]}")
+        try:
+            self.transport.flush()
+        except TransportError as exc:
+            self.stats.note(version, "reply-lost", str(exc)[:300])
 
 
 def _last(parts: dict[int, Envelope]) -> int:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 
 from nemo_dcr.types import SparseDelta
+from nemo_dcr.verify.sample import Sample
 
 
 @runtime_checkable
@@ -36,9 +37,10 @@ class TrainerSource(Protocol):
     def remap(self, delta: SparseDelta) -> list[SparseDelta]:
         """A local delta (capture key, local flat positions) as canonical pieces (cost ∝ changes)."""
 
-    def checksums(self) -> dict[str, int]:
+    def checksums(self, sample: Sample | None = None) -> dict[str, int]:
         """Partial layout-independent checksums of the elements this rank captures, by a full
-        scan of the live params (canonical name -> ``sum h(canonical index, bits)`` mod 2**64)."""
+        scan of the live params (canonical name -> ``sum h(canonical index, bits)`` mod 2**64),
+        or over ``sample``'s slice of them only (:mod:`nemo_dcr.verify.sample`)."""
 
     def pieces(self) -> list[SparseDelta]:
         """Every element this rank captures, as canonical pieces with zero old bits (first sync)."""

@@ -150,7 +150,7 @@ def _one_mode(job: FanoutJob, base, weights, gen, mode: str) -> list[dict]:
     from nemo_dcr.refit.wiring import engine_wiring
     from nemo_dcr.transport import Envelope, MessageKind
 
-    cfg = DcrConfig(fanout=mode, reply_timeout_s=120, telemetry_encodings=[], full_verify_interval=0)
+    cfg = DcrConfig(fanout=mode, reply_timeout_s=120, telemetry_encodings=[], verify="incremental", verify_steps=0)
     wiring = engine_wiring(base, [0], job.engine_ranks, LocalGroup(), relay=relay_groups(job.engine_ranks, 1))
     refit = DeltaRefit(cfg, CanonicalSource(weights), wiring, key=KEY)
     faults, rows = job.fault_plan(), []

@@ -15,7 +15,9 @@ some row recorded, in ``Phase`` order, never a fixed list.  The phases inside th
 that part of the stack is the recorded ``total``; phases outside the total (``telemetry``, the
 plugin's ``export``) are stacked above it, hatched.
 
-matplotlib is imported inside :func:`write_plots` (the ``recipes`` extra).
+Every file is drawn first and then written through a temp file renamed into place
+(:func:`nemo_dcr.checkpoint.atomic_write`), so a failing report leaves no file and no temp file.
+matplotlib is imported inside :func:`draw_plots` (the ``recipes`` extra).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_dcr.checkpoint import atomic_write
 from nemo_dcr.telemetry.jsonl import read_steps
 from nemo_dcr.telemetry.phases import TOTAL, TOTAL_SLOWEST_RANK, Phase
 
@@ -245,24 +248,27 @@ PLOTS = {"reward.png": plot_reward, "density.png": plot_density, "bytes.png": pl
 """File name -> the function drawing it."""
 
 
-def write_plots(steps: list[dict], out: str | os.PathLike) -> list[Path]:
-    """Write the :data:`PLOTS` (those with something to draw) as PNG files into ``out``; returns their paths."""
+def draw_plots(steps: list[dict]) -> dict[str, bytes]:
+    """The :data:`PLOTS` (those with something to draw) as PNG bytes by file name (nothing is written)."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
+    out = {}
     for name, plot in PLOTS.items():
         fig = plot(plt, steps)
         if fig is None:
             continue
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        paths.append(out / name)
-    return paths
+        try:
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=110)
+            out[name] = buf.getvalue()
+        finally:
+            plt.close(fig)
+    return out
 
 
 def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None,
@@ -277,8 +283,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     if not steps:
         raise ValueError(f"{run_dir}: telemetry has no steps")
     out = Path(out or (run_dir if Path(run_dir).is_dir() else Path(run_dir).parent))
+    contents = {**(draw_plots(steps) if plots else {}), "report.md": ("# Refit report\n\n" + markdown(steps)).encode()}
     out.mkdir(parents=True, exist_ok=True)
-    files = write_plots(steps, out) if plots else []
-    md = out / "report.md"
-    md.write_text("# Refit report\n\n" + markdown(steps))
-    return {"totals": totals(steps), "files": [str(p) for p in files + [md]]}
+    atomic_write({out / name: (lambda f, data=data: f.write(data)) for name, data in contents.items()})
+    return {"totals": totals(steps), "files": [str(out / name) for name in contents]}

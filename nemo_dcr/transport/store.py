@@ -79,7 +79,8 @@ class StoreTransport:
         self.run = new_run_id() if run is None else str(run)
         self._run_id = hashlib.sha256(self.run.encode()).digest()[:16]
         self.bytes_sent = 0
-        self.stats = {"replays": 0, "other_run": 0, "misaddressed": 0, "strays": 0, "tmp_removed": 0, "lost": 0}
+        self.stats = {"replays": 0, "other_run": 0, "misaddressed": 0, "strays": 0, "tmp_removed": 0, "lost": 0,
+                      "unremoved": 0}
         self._send_seq: dict[int, int] = {}
         self._next: dict[int, int] = {}
         self._rr = 0
@@ -95,19 +96,29 @@ class StoreTransport:
         return hmac.new(self.key, frame, hashlib.sha256).digest()
 
     def send(self, dst: int, env: Envelope) -> None:
-        """Write the authenticated frame atomically as ``dst``'s next message from this rank."""
+        """Write the authenticated frame atomically as ``dst``'s next message from this rank.
+
+        Raises:
+            TransportError: the store refused the write (a full disk, a read-only folder, a lost
+                connection: the OS error named); nothing was published, the temp file is removed
+                (as far as the store allows) and the next send tries the same sequence number.
+        """
         env = env if env.receiver >= 0 else replace(env, receiver=dst)
         seq = self._send_seq.get(dst, 0)
         folder = f"{self._run_dir(dst)}/from-{self.rank}"
         frame = _FRAME.pack(_MAGIC, 1, self._run_id, self.rank, dst, seq) + env.to_bytes()
-        self.fs.makedirs(folder, exist_ok=True)
         tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
         try:
+            self.fs.makedirs(folder, exist_ok=True)
             with self.fs.open(tmp, "wb") as f:
                 f.write(frame + self._mac(frame))
             self.fs.mv(tmp, f"{folder}/{seq:016d}.env")
+        except OSError as exc:
+            self._remove(tmp, quiet=True)
+            raise TransportError(f"rank {self.rank}: could not write message #{seq} for rank {dst} under {folder}: "
+                                 f"{exc}") from exc
         except BaseException:
-            self._remove(tmp)
+            self._remove(tmp, quiet=True)
             raise
         self._send_seq[dst] = seq + 1
         self.bytes_sent += len(env.body)
@@ -164,7 +175,7 @@ class StoreTransport:
             raw = self.fs.cat_file(path)
         except FileNotFoundError:
             return None
-        self._remove(path)  # consumed or refused: read once
+        self._remove(path, quiet=True)  # consumed or refused: read once (by sequence number, if it cannot go)
         head = self._open(path, raw)
         problem = self._check(head, src, seq)
         if problem:
@@ -212,15 +223,14 @@ class StoreTransport:
             m = _SEQ.match(name)
             if name.startswith(".tmp-"):
                 first = self._tmp_seen.setdefault(path, time.monotonic())
-                if time.monotonic() - first >= self.tmp_stale_s:
-                    self._remove(path)
+                if time.monotonic() - first >= self.tmp_stale_s and self._remove(path, quiet=True):
                     self._tmp_seen.pop(path, None)
                     self.stats["tmp_removed"] += 1
             elif m and int(m.group(1)) < expected:
-                self._remove(path)
-                self.stats["replays"] += 1
-                warnings.warn(f"{path}: message #{int(m.group(1))} was already received (a replay); removed",
-                              StoreWarning, stacklevel=5)
+                if self._remove(path, quiet=True):
+                    self.stats["replays"] += 1
+                    warnings.warn(f"{path}: message #{int(m.group(1))} was already received (a replay); removed",
+                                  StoreWarning, stacklevel=5)
             elif m:
                 ahead.append(int(m.group(1)))
             elif self._note(path):
@@ -245,8 +255,19 @@ class StoreTransport:
         self._noted.add(path)
         return True
 
-    def _remove(self, path: str) -> None:
+    def _remove(self, path: str, quiet: bool = False) -> bool:
+        """Remove ``path`` (True: it is gone); with ``quiet`` a store that refuses (a read-only
+        folder) is warned about once and counted (``unremoved``), not raised: the object is never
+        read again by its name, and a later sweep retries."""
         try:
             self.fs.rm(path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            if not quiet:
+                raise
+            if self._note(f"unremoved:{path}"):
+                self.stats["unremoved"] += 1
+                warnings.warn(f"{path}: could not remove it ({exc}); never read again", StoreWarning, stacklevel=4)
+            return False
+        return True

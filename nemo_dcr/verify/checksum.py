@@ -75,9 +75,22 @@ def _run_sum(bits, offset):
     return total
 
 
+def unsigned_bits(bits, what: str = "bits") -> np.ndarray:
+    """``bits`` as a flat numpy array, refused unless unsigned integers (signed bits of the same width
+    hash differently: an int16 ``-1`` is not the uint16 ``0xFFFF``).
+
+    Raises:
+        TypeError: naming ``what`` and the dtype found.
+    """
+    arr = np.asarray(bits).reshape(-1)
+    if arr.dtype.kind != "u":
+        raise TypeError(f"{what} must be unsigned integers (the raw bits of an element), got {arr.dtype}")
+    return arr
+
+
 def hash_sum(index: np.ndarray, bits: np.ndarray) -> int:
     """``sum h(index_k, bits_k) mod 2**64`` for explicit index/bits vectors."""
-    index, bits = np.asarray(index).reshape(-1), np.asarray(bits).reshape(-1)
+    index, bits = np.asarray(index).reshape(-1), unsigned_bits(bits)
     if index.size != bits.size:
         raise ValueError(f"{index.size} indices for {bits.size} bit values")
     return int(_hash_sum(index, bits))
@@ -85,7 +98,7 @@ def hash_sum(index: np.ndarray, bits: np.ndarray) -> int:
 
 def tensor_checksum(bits: np.ndarray, index_offset: int = 0) -> int:
     """Checksum of a contiguous run of elements whose canonical indices start at ``index_offset``."""
-    return int(_run_sum(np.ascontiguousarray(bits).reshape(-1), np.uint64(index_offset & MASK64)))
+    return int(_run_sum(np.ascontiguousarray(unsigned_bits(bits)), np.uint64(index_offset & MASK64)))
 
 
 def hash_sum_np(index: np.ndarray, bits: np.ndarray) -> int:
@@ -134,7 +147,8 @@ def _delta_sum(index, old, new):
 
 def updated_checksum(checksum: int, positions: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> int:
     """Checksum after replacing ``old_bits`` by ``new_bits`` at ``positions`` (cost ∝ changes)."""
-    positions, old_bits, new_bits = np.asarray(positions), np.asarray(old_bits), np.asarray(new_bits)
+    positions = np.asarray(positions)
+    old_bits, new_bits = unsigned_bits(old_bits, "old bits"), unsigned_bits(new_bits, "new bits")
     if not (positions.size == old_bits.size == new_bits.size):
         raise ValueError(f"{positions.size} positions for {old_bits.size} old and {new_bits.size} new bit values")
     return (checksum + int(_delta_sum(positions, old_bits, new_bits))) & MASK64

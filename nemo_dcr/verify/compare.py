@@ -14,6 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from .checksum import MASK64, hash_sum
+from .sample import Sample
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,20 @@ class VerifyReport:
 
     Attributes:
         version: the version verified.
-        full: the engine side came from a full scan (else incremental values).
+        full: the engine side came from a full scan (else incremental values, or a sample).
         checked: tensors compared.
         mismatches: disagreeing tensors, by name.
+        sample: the slice both sides recomputed from their live tensors (a sampled check).
+        live: both sides read their live tensors (a ``full`` or ``sampled`` check of
+            ``dcr.verify``), so neither side's values come from the deltas.
     """
 
     version: int
     full: bool
     checked: int
     mismatches: tuple[ChecksumMismatch, ...] = ()
+    sample: Sample | None = None
+    live: bool = False
 
     @property
     def ok(self) -> bool:
@@ -59,19 +65,21 @@ class VerifyReport:
 
     def describe(self, limit: int = 8) -> str:
         """Human-readable summary naming the first ``limit`` mismatching tensors."""
-        head = f"v{self.version} ({'full scan' if self.full else 'incremental'}): "
+        how = "full scan" if self.full else f"sampled, {self.sample.describe()}" if self.sample else "incremental"
+        head = f"v{self.version} ({how}): "
         if self.ok:
             return head + f"{self.checked} tensors agree"
         names = "; ".join(str(m) for m in self.mismatches[:limit])
         return head + f"{len(self.mismatches)} of {self.checked} tensors differ: {names}"
 
 
-def compare(trainer: Mapping[str, int], engine: Mapping[str, int], version: int, full: bool) -> VerifyReport:
+def compare(trainer: Mapping[str, int], engine: Mapping[str, int], version: int, full: bool,
+            sample: Sample | None = None, live: bool = False) -> VerifyReport:
     """Compare per-tensor checksums of both sides (names on one side only are mismatches)."""
     names = sorted(set(trainer) | set(engine))
     bad = tuple(ChecksumMismatch(n, trainer.get(n), engine.get(n)) for n in names
                 if trainer.get(n) != engine.get(n))
-    return VerifyReport(version, full, len(names), bad)
+    return VerifyReport(version, full, len(names), bad, sample, live)
 
 
 @dataclass

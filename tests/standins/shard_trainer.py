@@ -18,6 +18,7 @@ import torch
 
 from nemo_dcr.types import SparseDelta, host_bits
 from nemo_dcr.verify.compare import ShardChecksums
+from nemo_dcr.verify.sample import Sample, runs_checksum
 
 
 def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
@@ -79,8 +80,12 @@ class ShardTrainer:
             out.append(SparseDelta(n, "bf16", tuple(self.shapes[n]), pos, bits, np.zeros_like(bits)))
         return out
 
-    def checksums(self) -> dict[str, int]:
-        """This rank's partial checksums of its current bf16 shards (full scan)."""
+    def checksums(self, sample: Sample | None = None) -> dict[str, int]:
+        """This rank's partial checksums of its current bf16 shards (full scan, or ``sample``'s slice)."""
+        if sample is not None:
+            zero = np.zeros(1, np.int64)
+            return {n: runs_checksum(host_bits(p), zero, zero + self.offsets[n], np.array([p.numel()]), sample, n)
+                    for n, p in self.params.items()}
         sc = ShardChecksums()
         for n, p in self.params.items():
             bits = host_bits(p)

@@ -46,7 +46,7 @@ def _exact(trainer: ShardTrainer, engine: TensorEngine) -> bool:
 def rig():
     trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
     engine = _engine()
-    refit = _refit(trainer, engine, full_verify_interval=3, telemetry_encodings=["reference"])  # sized too
+    refit = _refit(trainer, engine, verify="incremental", verify_steps=3, telemetry_encodings=["reference"])  # sized too
     yield trainer, engine, refit
     refit.close(5)
 
@@ -124,7 +124,7 @@ def test_faults_are_detected_and_recovered(rig, fault):
 def test_a_silent_bit_flip_in_the_engine_is_found_by_the_full_scan_and_repaired():
     trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
     engine = _engine()
-    refit = _refit(trainer, engine, full_verify_interval=1)
+    refit = _refit(trainer, engine, verify="full")
     try:
         refit.attach()
         int_view(engine.tensors["a.weight"])[3] ^= 1  # memory flips a bit; no checksum saw it

@@ -41,7 +41,7 @@ def test_every_engine_implements_every_member(cls):
     missing = [m for m in MEMBERS if not hasattr(cls, m)]
     assert not missing, f"{cls.__name__} lacks {missing}"
     assert list(inspect.signature(cls.prepare).parameters) == ["self", "parts", "resync"]
-    assert list(inspect.signature(cls.checksums).parameters) == ["self", "full"]
+    assert list(inspect.signature(cls.checksums).parameters) == ["self", "full", "sample"]
     assert not hasattr(cls, "apply") and not hasattr(cls, "resync")  # apply = apply_version, in one place
 
 

@@ -36,7 +36,7 @@ def refit_cfg(tmp_path) -> dict:
     key = tmp_path / "hmac.key"
     key.write_bytes(b"nemo-rl-contract-test-key-0123456789")
     return {"update_weights_bucket_memory_ratio": 0.05, "url": str(tmp_path / "refit"), "key_file": str(key),
-            "reply_timeout_s": 60, "full_verify_interval": 3}
+            "reply_timeout_s": 60, "verify": "incremental", "verify_steps": 3}
 
 
 def mismatches(state: dict, engines) -> list[str]:
@@ -335,8 +335,8 @@ def test_refit_cfg_errors_name_the_key(refit_cfg):
         DcrCheckpointEngine(1 << 20, **kw, timeout_s=60)  # the keys are DcrConfig's, old names are gone
     with pytest.raises(ConfigError, match=r"\.encoding: must be one of"):
         DcrCheckpointEngine(1 << 20, **{**kw, "encoding": "zip"})
-    with pytest.raises(ConfigError, match=r"\.verify_interval: must be int, got str"):
-        DcrCheckpointEngine(1 << 20, **{**kw, "verify_interval": "1"})
+    with pytest.raises(ConfigError, match=r"\.verify_steps: must be int, got str"):
+        DcrCheckpointEngine(1 << 20, **{**kw, "verify_steps": "1"})
     with pytest.raises(ConfigError, match=r"\.key_file: the store transport authenticates"):
         DcrCheckpointEngine(1 << 20, url=kw["url"])
     with pytest.raises(ConfigError, match=r"\.transport: the NeMo-RL plugin uses 'store', got 'gloo'"):
@@ -359,7 +359,8 @@ def test_refit_cfg_is_the_dcr_config(refit_cfg):
     assert opts.release_after_refit is True
     cfg = opts.dcr
     assert (cfg.transport, cfg.engine_format, cfg.bucket_size_mb, cfg.reply_timeout_s) == ("store", "bf16", 3.0, 60.0)
-    assert (cfg.url, cfg.telemetry_dir, cfg.full_verify_interval, cfg.engine_index) == (kw["url"], kw["url"], 3, True)
+    assert (cfg.url, cfg.telemetry_dir, cfg.verify, cfg.verify_steps, cfg.engine_index) == (
+        kw["url"], kw["url"], "incremental", 3, True)
     assert opts.session_config("/x/session-1").url == "/x/session-1"
     mine = DcrCheckpointEngine(3 << 20, **{**kw, "bucket_size_mb": 0.5, "transport": "store", "engine_index": False,
                                            "telemetry_dir": None}).options.dcr

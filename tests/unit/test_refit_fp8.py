@@ -68,7 +68,7 @@ def _mismatches(trainer: ShardTrainer, engine, fp8_names=FP8) -> list[str]:
 def rig():
     trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
     engine = _engine()
-    refit = _refit(trainer, engine, full_verify_interval=3)
+    refit = _refit(trainer, engine, verify="incremental", verify_steps=3)
     yield trainer, engine, refit
     refit.close(5)
 
@@ -82,7 +82,7 @@ def test_plan_names_the_engine_tensors():
 def test_every_refit_is_bit_exact_against_independent_requantization(lr):
     trainer = ShardTrainer(SHAPES, 0, 1, lr=lr)
     engine = _engine()
-    refit = _refit(trainer, engine, full_verify_interval=2, telemetry_encodings=["reference"])  # bf16 bytes measured
+    refit = _refit(trainer, engine, verify="incremental", verify_steps=2, telemetry_encodings=["reference"])  # bf16 bytes measured
     try:
         r = refit.attach()
         assert r.mode == "attach" and r.committed and r.resynced and _mismatches(trainer, engine) == []
@@ -240,7 +240,7 @@ def test_a_refused_payload_changes_nothing_in_the_engine():
 def test_crash_mid_apply_and_a_silent_bit_flip_are_repaired():
     trainer = ShardTrainer(SHAPES, 0, 1, lr=2e-4)
     engine = _engine()
-    refit = _refit(trainer, engine, full_verify_interval=1)
+    refit = _refit(trainer, engine, verify="full")
     try:
         refit.attach()
 

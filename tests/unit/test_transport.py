@@ -73,7 +73,7 @@ def test_dist_transport_chunks_and_timeout(tmp_path):
     closers = [threading.Thread(target=t.close, args=(10,)) for t in (tx, rx)]
     [c.start() for c in closers]
     [c.join() for c in closers]
-    assert tx._receiver is not None and not tx._receiver.is_alive() and not rx._receiver.is_alive()
+    assert tx._receivers and not any(th.is_alive() for th in tx._receivers + rx._receivers)
 
 
 def test_dist_transport_close_names_the_rank_that_never_closed(tmp_path):
@@ -82,5 +82,45 @@ def test_dist_transport_close_names_the_rank_that_never_closed(tmp_path):
     with pytest.raises(TransportError, match=r"ranks \[1\] did not close"):
         a.close(timeout=0.2)
     b.close(timeout=10)  # the late peer closes; both receivers end
-    a._receiver.join(10)
-    assert not a._receiver.is_alive() and not b._receiver.is_alive()
+    for th in a._receivers:
+        th.join(10)
+    assert not any(th.is_alive() for th in a._receivers + b._receivers)
+
+
+def _dies_after_one_message(store_path: str) -> None:
+    import os
+    import signal
+
+    pg = dist.ProcessGroupGloo(dist.FileStore(store_path, 2), 1, 2)
+    t = DistTransport(pg, 1)
+    t.send(0, _env(1, sender=1))
+    t.flush()
+    t.recv(src=0, timeout=120)  # the go-ahead: then this process dies without closing anything
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_peer_that_dies_is_a_clear_error_at_once_not_a_timeout(tmp_path):
+    """SIGKILL of the other process: its message before dying is still delivered, then every
+    receive from it and every send to it raises a TransportError naming it, within seconds."""
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_dies_after_one_message, args=(str(tmp_path / "store"),))
+    proc.start()
+    pg = dist.ProcessGroupGloo(dist.FileStore(str(tmp_path / "store"), 2), 0, 2)
+    t = DistTransport(pg, 0)
+    assert t.recv(src=1, timeout=60).version == 1
+    t.send(1, _env(2))
+    t.flush()
+    proc.join(60)
+    assert proc.exitcode == -9
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=r"rank 0: the connection to rank 1 was lost while receiving"):
+        t.recv(src=1, timeout=120)
+    with pytest.raises(TransportError, match=r"connection to rank 1 was lost"):
+        t.recv(timeout=120)
+    with pytest.raises(TransportError, match=r"connection to rank 1 was lost"):
+        t.send(1, _env(3))
+    assert time.monotonic() - t0 < 30 and 1 in t.lost
+    t.close(timeout=5)  # nothing left to wait for

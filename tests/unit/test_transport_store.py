@@ -208,7 +208,7 @@ def test_failed_write_leaves_no_temp_file(url, monkeypatch):
         raise OSError("store refused the rename")
 
     monkeypatch.setattr(a.fs, "mv", broken_mv)
-    with pytest.raises(OSError):
+    with pytest.raises(TransportError, match=r"rank 0: could not write message #0 for rank 1 .*refused the rename"):
         a.send(1, _env(1))
     monkeypatch.undo()
     assert not a.fs.find(a.root) or not [p for p in a.fs.find(a.root) if ".tmp-" in p]

@@ -20,7 +20,9 @@ from nemo_dcr.refit.messages import Ask, EngineReply, MessageFormatError, Query
 from nemo_dcr.refit.route_views import Router
 from nemo_dcr.refit.routing import Coding, PackEntry, RoutingPackError, gather_captured, pack, unpack
 from nemo_dcr.transport import Envelope, MessageKind, TransportError
+from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import tensor_checksum
+from nemo_dcr.verify.sample import Sample
 
 KEY = b"wire-format-key-0123456789abcdef"
 
@@ -93,8 +95,12 @@ def test_store_frames_failing_their_mac_or_version_raise(tmp_path, frame_version
 
 def test_query_bytes():
     assert Query(Ask.FULL, 7).to_bytes() == b'{"ask": "full", "id": 7}'
-    assert [a.value for a in Ask] == ["state", "full", "digests", "placement"]
+    assert [a.value for a in Ask] == ["state", "full", "digests", "placement", "sampled"]
     assert Query.from_bytes(b'{"id": 3, "ask": "placement"}') == Query(Ask.PLACEMENT, 3)
+    sampled = Query(Ask.SAMPLED, 8, Sample(12, 16, 256, 3))
+    assert sampled.to_bytes() == (b'{"ask": "sampled", "id": 8, "sample": {"step": 12, "steps": 16, "block": 256, '
+                                  b'"seed": 3}}')
+    assert Query.from_bytes(sampled.to_bytes()) == sampled
 
 
 @pytest.mark.parametrize("body, why", [
@@ -106,6 +112,11 @@ def test_query_bytes():
     (b'{"ask": "full", "id": -1}', "id must be an integer"),
     (b'{"ask": "full", "id": true}', "id must be an integer"),
     (b'{"ask": "full", "id": 1.0}', "id must be an integer"),
+    (b'{"ask": "full", "id": 1, "sample": {}}', r"unknown keys \['sample'\]"),
+    (b'{"ask": "sampled", "id": 1}', r"missing keys \['sample'\]"),
+    (b'{"ask": "sampled", "id": 1, "sample": {"step": 1, "steps": 0, "block": 8, "seed": 0}}',
+     r"sample: Sample.steps must be an integer in \[1, 2\*\*63\)"),
+    (b'{"ask": "sampled", "id": 1, "sample": {"step": 1, "steps": 2}}', r"sample: a sample is an object with keys"),
 ])
 def test_malformed_queries_are_refused_naming_what(body, why):
     with pytest.raises(MessageFormatError, match=why):

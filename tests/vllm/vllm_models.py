@@ -77,7 +77,7 @@ class Trainer:
 
     def __init__(self, engine, tensors: Mapping[str, torch.Tensor]):
         self.params = {n: t.clone() for n, t in tensors.items()}
-        cfg = DcrConfig(transport="inprocess", reply_timeout_s=900, full_verify_interval=1, telemetry_encodings=[])
+        cfg = DcrConfig(transport="inprocess", reply_timeout_s=900, verify="full", telemetry_encodings=[])
         self.refit = DeltaRefit(cfg, CanonicalSource(self.params), colocated_wiring(cfg, 0, KEY), engine, key=KEY)
         self.first: RefitReport = self.refit.attach()
 

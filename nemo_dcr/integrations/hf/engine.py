@@ -24,6 +24,7 @@ import torch
 
 from nemo_dcr import quant
 from nemo_dcr.apply import ApplyResult, EngineChecksums, Parts, TensorEngine
+from nemo_dcr.verify.sample import Sample
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,9 @@ class HFEngine:
         """Hold the current version for one generation (a context manager yielding it)."""
         return self.engine.serving()
 
-    def checksums(self, full: bool = False) -> EngineChecksums:
-        """Per-tensor checksums (incremental, or a full scan)."""
-        return self.engine.checksums(full)
+    def checksums(self, full: bool = False, sample: Sample | None = None) -> EngineChecksums:
+        """Per-tensor checksums (incremental, a full scan, or a sample's slice of the live tensors)."""
+        return self.engine.checksums(full, sample)
 
     def digests(self) -> dict[str, str]:
         """sha256 of every engine tensor's bits."""

@@ -11,8 +11,9 @@
 * ``remap``: one layout plan per model chunk (:func:`nemo_dcr.layout.build_chunk_plans`), so chunk
   ``c`` is remapped with its own layer offsets.
 * ``checksums`` / ``pieces``: partial canonical checksums of the captured slices by a full scan
-  of the live params (the trainer's side of verification; independent of capture baseline and
-  codec), and every captured element as canonical pieces (the first sync).  Both run at memory
+  of the live params, or of a sampled check's slice of them (the trainer's side of verification;
+  independent of capture baseline and codec), and every captured element as canonical pieces
+  (the first sync).  Both run at memory
   speed over :class:`Runs`: each captured slice cut into runs that are contiguous both locally and
   canonically (every transform of the tables keeps the last dim of a row contiguous), found once
   by remapping the two ends and the middle of every row; a row that does not pass that check is
@@ -29,11 +30,10 @@ import torch
 
 from nemo_dcr.layout import LayoutError, MegatronSpec, ModelDims, ParallelLayout, build_chunk_plans, chunk_layers
 from nemo_dcr.types import SparseDelta, host_bits, spec_of
-from nemo_dcr.verify.checksum import MASK64, hash_sum
+from nemo_dcr.verify.checksum import MASK64
+from nemo_dcr.verify.sample import Sample, runs_checksum
 
 from .params import LocalParam, capture_ranges, local_params, unwrap
-
-_SCAN_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,6 @@ class Runs:
         rep = np.repeat(np.arange(n.size), n)
         k = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
         return loc[rep] + k, can[rep] + k
-
-    def chunks(self, elements: int = _SCAN_CHUNK):
-        """Slices of runs holding about ``elements`` elements each."""
-        ends = np.cumsum(self.length)
-        lo = 0
-        while lo < self.length.size:
-            hi = max(lo + 1, int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + elements, side="right")))
-            yield lo, hi
-            lo = hi
 
 
 class MegatronSource:
@@ -125,15 +116,15 @@ class MegatronSource:
                 out[name] = out.get(name, 0) + int(runs.length.sum())
         return out
 
-    def checksums(self) -> dict[str, int]:
-        """Partial canonical checksums of the captured slices (full scan of the live params)."""
+    def checksums(self, sample: Sample | None = None) -> dict[str, int]:
+        """Partial canonical checksums of the captured slices: a full scan of the live params, or
+        ``sample``'s slice of them (:func:`nemo_dcr.verify.sample.runs_checksum` over the runs)."""
         sums: dict[str, int] = {}
         for key in self.ranges:
             bits = host_bits(self.local[key].param)
             for name, runs in self.runs(key).items():
-                for lo, hi in runs.chunks():
-                    local, canon = runs.expand(lo, hi)
-                    sums[name] = (sums.get(name, 0) + hash_sum(canon, bits[local])) & MASK64
+                part = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, name)
+                sums[name] = (sums.get(name, 0) + part) & MASK64
         return sums
 
     def pieces(self) -> list[SparseDelta]:

@@ -35,6 +35,7 @@ from nemo_dcr.apply.contract import shard_parts
 from nemo_dcr.apply.guard import PendingSlot
 from nemo_dcr.apply.placement import assign_primary, check_coverage, placement_from_json, placement_to_json
 from nemo_dcr.verify.checksum import MASK64
+from nemo_dcr.verify.sample import Sample
 
 from . import WORKER_EXTENSION
 
@@ -202,9 +203,13 @@ class VllmEngine:
             self.llm.collective_rpc("dcr_rollback")
         return result
 
-    def checksums(self, full: bool = False) -> EngineChecksums:
-        """Canonical checksums summed over the ranks and each rank's views (incremental, or a
-        full rescan on every rank)."""
+    def checksums(self, full: bool = False, sample: Sample | None = None) -> EngineChecksums:
+        """Canonical checksums summed over the ranks and each rank's views (incremental, a full
+        rescan on every rank, or every rank's sums of ``sample``'s slice of its live params)."""
+        if sample is not None:
+            self._pending.refuse("a sampled checksum")
+            with self.guard.read():
+                return self._summed(self.llm.collective_rpc("dcr_checksums", args=(False, sample.to_json())))
         if full:
             self._pending.refuse("a full checksum scan")
             with self.guard.read():

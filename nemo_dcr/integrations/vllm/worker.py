@@ -37,6 +37,7 @@ import torch
 
 from nemo_dcr.apply import ApplyResult, ApplyVerificationError, EngineChecksums, TensorEngine
 from nemo_dcr.apply.placement import placement_from_json, placement_to_json, probe_model, record_loader_calls
+from nemo_dcr.verify.sample import Sample
 
 from . import cpu
 
@@ -165,9 +166,11 @@ class DcrWorkerExtension:
         self._dcr_undo(self.dcr_engine.pending)
         return dict(rank=self.rank, rolled_back=True, version=self.dcr_engine.version)
 
-    def dcr_checksums(self, full: bool = False) -> dict:
-        """Version, canonical partial checksums (sum over ranks = the trainer's totals) and views."""
-        return dict(rank=self.rank, version=self.dcr_engine.version, **_checksums_json(self.dcr_engine.checksums(full)))
+    def dcr_checksums(self, full: bool = False, sample: dict | None = None) -> dict:
+        """Version, canonical partial checksums (sum over ranks = the trainer's totals) and views
+        (kept, by a full scan, or of a sample's slice: :meth:`~nemo_dcr.apply.TensorEngine.checksums`)."""
+        ck = self.dcr_engine.checksums(full, None if sample is None else Sample.from_json(sample))
+        return dict(rank=self.rank, version=self.dcr_engine.version, **_checksums_json(ck))
 
     def dcr_digests(self) -> dict[str, str]:
         """sha256 of every param this rank's engine writes into."""

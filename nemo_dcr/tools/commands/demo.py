@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = args.summary_json or str(run_dir / "summary.json")
+    Path(summary).unlink(missing_ok=True)  # a failing run leaves no summary (not an earlier run's either)
     world = cfg.trainer.tp * cfg.trainer.pp
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1",
                TRANSFORMERS_VERBOSITY="error")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.checkpoint import atomic_write
 from nemo_dcr.refit import DeltaRefit
 from nemo_dcr.telemetry import TelemetryWriter, step_record
 from nemo_dcr.tools.demo.dense_refit import METHOD, DenseLink
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
     summary = run(cfg, args.job_start or time.time())
     if summary is not None:
         out = Path(args.summary_json or Path(cfg.run.run_dir) / "summary.json")
-        out.write_text(json.dumps(summary, indent=1) + "\n")
+        text = json.dumps(summary, indent=1) + "\n"
+        atomic_write({out: lambda f: f.write(text.encode())})
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -28,10 +28,14 @@ Objective ``lm``: next-token loss on prompt + correct answer (answer tokens only
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -279,6 +283,10 @@ def make_deltas(
 ) -> list[Path]:
     """Run ``steps`` AdamW steps and write ``out_dir/step_0 .. step_<steps>`` (bf16 weights).
 
+    The step folders are written into a staging folder inside ``out_dir`` and moved into place
+    (replacing step folders of the same names) only once every step succeeded: a failure leaves
+    no step folder and no staging folder (and no ``out_dir`` when it did not exist before).
+
     Args:
         out_dir: output folder (created).
         steps: number of optimizer steps; ``steps + 1`` checkpoints are written.
@@ -306,18 +314,39 @@ def make_deltas(
     base = {**asdict(cfg), "betas": list(cfg.betas)}
     prev = state_dict_bits(model)
     config = getattr(model, "config", None)
-    dirs = [write_step(out_dir, 0, prev, {**base, "density": None}, config)]
-    for step in range(1, steps + 1):
-        t = time.perf_counter()
-        problems = make_problems(rng, cfg.prompts_per_step)
-        stats = train_step(model, optimizer, tokenizer, problems, cfg)
-        cur = state_dict_bits(model)
-        meta = {"step": step, **base, **asdict(stats), **_density(prev, cur, step, cfg.lr)}
-        meta["seconds"] = round(time.perf_counter() - t, 2)
-        dirs.append(write_step(out_dir, step, cur, meta, config))
-        log(_progress_line(meta))
-        prev = cur
-    return dirs
+    with _staged(Path(out_dir)) as stage:
+        write_step(stage, 0, prev, {**base, "density": None}, config)
+        for step in range(1, steps + 1):
+            t = time.perf_counter()
+            problems = make_problems(rng, cfg.prompts_per_step)
+            stats = train_step(model, optimizer, tokenizer, problems, cfg)
+            cur = state_dict_bits(model)
+            meta = {"step": step, **base, **asdict(stats), **_density(prev, cur, step, cfg.lr)}
+            meta["seconds"] = round(time.perf_counter() - t, 2)
+            write_step(stage, step, cur, meta, config)
+            log(_progress_line(meta))
+            prev = cur
+    return [Path(out_dir) / f"step_{k}" for k in range(steps + 1)]
+
+
+@contextmanager
+def _staged(out_dir: Path) -> Iterator[Path]:
+    """A staging folder in ``out_dir`` whose ``step_*`` folders move into ``out_dir`` on success;
+    on failure it is removed (with ``out_dir`` if this call created it)."""
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=out_dir, prefix=".make-deltas-", suffix=".tmp"))
+    try:
+        yield stage
+        for step_dir in sorted(stage.iterdir()):
+            final = out_dir / step_dir.name
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(step_dir, final)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
 
 
 def _density(prev: dict, cur: dict, step: int, lr: float) -> dict:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from nemo_dcr.apply import TensorEngine
-from nemo_dcr.checkpoint import load_checkpoint
+from nemo_dcr.checkpoint import atomic_write, load_checkpoint
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.layout import MODELS, model_dims
 from nemo_dcr.refit import DeltaRefit
@@ -109,7 +110,7 @@ def run(args) -> dict:
         chunks = _wrap_ddp(chunks)
     source = source_from_model(chunks, vocab_size=dims.vocab_size, **uneven)
     stage_layers = check_chunks(chunks, source.plans, dims)
-    cfg = DcrConfig(encoding=args.encoding, full_verify_interval=1)
+    cfg = DcrConfig(encoding=args.encoding, verify="full")
     engine = _empty_engine(source, cfg) if dist.get_rank() == 0 else None
     refit = DeltaRefit.from_config(cfg, source, engine=engine, engine_rank=0)
     trainable = not dims.num_experts and len(chunks) == 1 and not args.ddp
@@ -157,8 +158,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
     if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        text = json.dumps(result, indent=1)
+        atomic_write({Path(args.out): lambda f: f.write(text.encode())})
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.apply.transaction import UndoLog
+from nemo_dcr.checkpoint import atomic_write
 from nemo_dcr.codec import Identity, decode, encode_deltas, inspect
 from nemo_dcr.kernels import read_bits, scan_changes
 from nemo_dcr.layout import ParallelLayout, build_plan, model_dims
@@ -204,6 +205,7 @@ def calibrate(run: str | None = None, elements: int = 1 << 24) -> dict:
 def write(doc: dict, path: str | Path = CPU_FIGURES) -> Path:
     """Write the figures document (plans read ``figures/cpu.json`` by default)."""
     p = Path(path)
+    text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    atomic_write({p: lambda f: f.write(text.encode())})
     return p

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nemo_dcr.checkpoint import atomic_write
 from nemo_dcr.telemetry.phases import Phase
 
 from .cost import RankCost
@@ -149,8 +150,10 @@ def timeline_png(plan: Plan, path: str | Path, rows: int = 24) -> Path:
               fontsize=7, loc="lower right")
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:  # through a temp file renamed into place: a failure leaves no file
+        atomic_write({out: lambda f: fig.savefig(f, format="png", dpi=110)})
+    finally:
+        plt.close(fig)
     return out
 
 
