@@ -1,7 +1,8 @@
 """Compiled host kernels of the capture scan and of the in-place bit writes.
 
 These are the CPU paths of :func:`nemo_dcr.kernels.changed_positions`,
-:func:`nemo_dcr.kernels.write_bits` and :func:`nemo_dcr.kernels.read_bits`; the torch ops stay
+:func:`nemo_dcr.kernels.write_bits`, :func:`nemo_dcr.kernels.read_bits` and
+:func:`nemo_dcr.kernels.unequal_at`; the torch ops stay
 the device paths and the test references.  Arrays are numpy integer views of one width.
 """
 
@@ -71,6 +72,19 @@ def scatter(view, positions, bits):
     for i in range(positions.size):
         view[positions[i]] = bits[i]
     return -1
+
+
+@njit
+def unequal(view, positions, bits):
+    """``(bad, first)``: the first position outside ``view`` (or -1), else the first entry whose
+    element does not hold ``bits[i]`` (or -1).  Reads the elements once, writes nothing."""
+    bad = _in_bounds(positions, view.size)
+    if bad >= 0:
+        return bad, -1
+    for i in range(positions.size):
+        if view[positions[i]] != bits[i]:
+            return -1, i
+    return -1, -1
 
 
 @njit

@@ -1,7 +1,7 @@
 """The one in-place write of the package: bits into a tensor's integer view, at flat positions.
 
 Every writer (the engine transaction and its undo log, the trainer baseline, test references)
-goes through :func:`write_bits`; it works on any device and takes positions and bits as numpy
+goes through :func:`write_bits`, and the transaction's read-back check through :func:`unequal_at`; it works on any device and takes positions and bits as numpy
 arrays or torch tensors.  On the host it is a compiled scatter (:mod:`.cpu`) that checks every
 position before the first write; on other devices ``index_put_`` on the integer view.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..types import carrier, int_view
-from .cpu import gather, scatter
+from .cpu import gather, scatter, unequal
 
 
 def _as_index(positions, device) -> torch.Tensor:
@@ -72,3 +72,27 @@ def read_bits(target: torch.Tensor, positions) -> torch.Tensor:
     out = np.empty(pos.size, src.dtype)
     _check(gather(src, pos, out), pos, src.size)
     return torch.from_numpy(out)
+
+
+def unequal_at(target: torch.Tensor, positions, bits) -> int:
+    """The first entry ``i`` where ``target.flat[positions[i]]`` does not hold ``bits[i]`` (-1: every
+    element holds its bits); reads only those elements (any device), writes nothing.
+
+    Raises:
+        IndexError: a position is outside the tensor.
+    """
+    view = int_view(target)
+    src = _as_bits(bits, view)
+    if view.device.type != "cpu":
+        idx = _as_index(positions, view.device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= view.numel()):
+            raise IndexError(f"a position outside a tensor of {view.numel()} elements")
+        ne = torch.nonzero(view[idx] != src.reshape(-1)).reshape(-1)
+        return int(ne[0]) if ne.numel() else -1
+    pos = _host_index(positions)
+    if pos.size != src.numel():
+        raise ValueError(f"{pos.size} positions for {src.numel()} values")
+    dst = view.numpy()
+    bad, first = unequal(dst, pos, src.reshape(-1).numpy().view(dst.dtype))
+    _check(bad, pos, dst.size)
+    return int(first)
