@@ -13,8 +13,10 @@ import time
 from contextlib import contextmanager
 
 PROBES = {
-    "scan": "nemo_dcr.capture.scan.changed_positions",
-    "gather old": "nemo_dcr.codec.payload._gather_old",
+    "scan": "nemo_dcr.capture.scan.changes_np",
+    "trainer checksums": "peer.checksums_after",
+    "mirror changes": "nemo_dcr.refit.mirror.changes_at",
+    "index get": "nemo_dcr.codec.dcr.class_index.DcrIndexes.get",
     "ranks": "nemo_dcr.codec.dcr.jit_codec.class_ranks",
     "coder": "nemo_dcr.codec.dcr.jit_codec.encode_kernel",
     "parse": "nemo_dcr.codec.dcr.jit_codec.parse",

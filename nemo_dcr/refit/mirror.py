@@ -21,6 +21,7 @@ import torch
 
 from nemo_dcr.apply.placement import Runs, view_delta
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
+from nemo_dcr.kernels.scan import changes_at
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view
 from nemo_dcr.verify.checksum import checksum_after, checksums_after, tensor_checksum
 
@@ -64,10 +65,8 @@ class SenderMirror:
         """Merged deltas of owned tensors with ``old_bits`` from the mirror; no-ops removed."""
         out = []
         for d in pieces:
-            mirror = self.bits[d.name]
-            old = mirror[d.positions]
-            keep = old != d.new_bits
-            out.append(SparseDelta(d.name, d.dtype, d.shape, d.positions[keep], d.new_bits[keep], old[keep]))
+            pos, new, old = changes_at(self.bits[d.name], d.positions, d.new_bits)
+            out.append(SparseDelta(d.name, d.dtype, d.shape, pos, new, old))
         return out
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,

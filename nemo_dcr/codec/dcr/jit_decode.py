@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...kernels.jit import njit
+from ...kernels.jit import AHEAD, njit, prefetch
 from . import jit_index as K
 from .jit_bits import LIMIT, MAX_K, apply_step, get_bits, get_unary, get_varint, set_rice_k
 
@@ -374,6 +374,8 @@ def finish(base, pos, val, eref, nbits, mb, exp_bits):
     m = pos.size
     new, old = np.empty(m, base.dtype), np.empty(m, base.dtype)
     for i in range(m):
+        if i + AHEAD < m:  # positions come in class order: each old bit is a cache miss, overlapped
+            prefetch(base, pos[i + AHEAD])
         o = np.int64(base[pos[i]]) & ones
         if eref[i] < 0:
             nv = apply_step(o, val[i], ones, sign)

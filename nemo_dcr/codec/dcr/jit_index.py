@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...kernels.jit import njit
+from ...kernels.jit import AHEAD, njit, prefetch
 
 BSHIFT = 12
 BLOCK = 1 << BSHIFT
@@ -131,6 +131,7 @@ def _first(sup):
 
 
 CHUNK = 1024  # changes ranked per round of passes (their scratch stays in cache)
+PF = 32  # changes between the prefetch of a change's table entries and their loads
 
 
 @njit
@@ -153,16 +154,22 @@ def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out):
         prev = p
     lo, hi = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.int64)
     guess, at_guess = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.int64)
+    lf, sbf, rows, nb = lfirst.reshape(-1), sbefore.reshape(-1), lfirst.shape[1], lfirst.shape[0]
     for j0 in range(0, m, CHUNK):
         w = min(CHUNK, m - j0)
         for t in range(w):
+            if t + PF < w:  # the table entries of a later change on their way
+                bp, cp = positions[j0 + t + PF] >> BSHIFT, _cls(old[j0 + t + PF], shift, emask)
+                prefetch(lf, bp * rows + cp)
+                prefetch(sbf, cp * nb + bp)
             p = positions[j0 + t]
             b, c = p >> BSHIFT, _cls(old[j0 + t], shift, emask)
             lo[t], hi[t] = (b << BSHIFT) + lfirst[b, c], (b << BSHIFT) + lfirst[b, c + 1]
             out[j0 + t] = first[c] + sup[c, b >> SSHIFT] + sbefore[c, b] - lo[t]
+            guess[t] = min(lo[t] + (((hi[t] - lo[t]) * (p & (BLOCK - 1))) >> BSHIFT), order.size - 1)
+            prefetch(order, guess[t])
         for t in range(w):
-            guess[t] = lo[t] + (((hi[t] - lo[t]) * (positions[j0 + t] & (BLOCK - 1))) >> BSHIFT)
-            at_guess[t] = order[min(guess[t], order.size - 1)]
+            at_guess[t] = order[guess[t]]
         for t in range(w):
             loc = positions[j0 + t] & (BLOCK - 1)
             if lo[t] == hi[t]:
@@ -217,9 +224,14 @@ def select(cls, kk, order, lfirst, sbefore, sup):
         while b + 1 < end and sbefore[c, b + 1] <= k:
             b += 1
         blk[i], at[i] = b, k - sbefore[c, b] + (b << BSHIFT)
+    lf, rows = lfirst.reshape(-1), lfirst.shape[1]
     for i in range(m):
+        if i + AHEAD < m:
+            prefetch(lf, np.int64(blk[i + AHEAD]) * rows + cls[i + AHEAD])
         at[i] += lfirst[blk[i], cls[i]]
     for i in range(m):
+        if i + AHEAD < m:
+            prefetch(order, at[i + AHEAD])
         at[i] = (blk[i] << BSHIFT) + np.int64(order[at[i]])
     return at
 
