@@ -1,9 +1,12 @@
 """The one in-place write of the package: bits into a tensor's integer view, at flat positions.
 
 Every writer (the engine transaction and its undo log, the trainer baseline, test references)
-goes through :func:`write_bits`, and the transaction's read-back check through :func:`unequal_at`; it works on any device and takes positions and bits as numpy
-arrays or torch tensors.  On the host it is a compiled scatter (:mod:`.cpu`) that checks every
-position before the first write; on other devices ``index_put_`` on the integer view.
+goes through :func:`write_bits`, and the transaction's read-back check through
+:func:`unequal_at`; they work on any device and take positions and bits as numpy arrays or torch
+tensors.  On the host they are compiled loops (:mod:`.cpu`) that check every position before the
+first write, reached through numpy views without any torch op per call (a call costs a few
+microseconds whatever its size: a refit makes several per tensor); on other devices
+``index_put_`` and indexing on the integer view.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..types import carrier, int_view
+from ..types import CARRIER_NP, carrier, int_view
 from .cpu import gather, scatter, unequal
 
 
@@ -34,6 +37,23 @@ def _host_index(positions) -> np.ndarray:
     return np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
 
 
+def _host_view(target: torch.Tensor) -> np.ndarray | None:
+    """The flat signed-integer numpy view of a host tensor (shares memory); None on a device."""
+    if target.device.type != "cpu":
+        return None
+    return int_view(target).numpy()
+
+
+def _host_bits(bits, dst: np.ndarray, count: int) -> np.ndarray:
+    """``bits`` (numpy or torch, ``dst``'s width) as a flat numpy array of ``dst``'s dtype."""
+    a = bits.detach().cpu().reshape(-1).numpy() if isinstance(bits, torch.Tensor) else np.asarray(bits).reshape(-1)
+    if a.itemsize != dst.itemsize:
+        raise ValueError(f"bits of {a.itemsize} bytes for a {dst.itemsize}-byte tensor")
+    if a.size != count:
+        raise ValueError(f"{count} positions for {a.size} values")
+    return np.ascontiguousarray(a).view(CARRIER_NP[dst.itemsize])
+
+
 def _check(bad: int, positions: np.ndarray, n: int) -> None:
     if bad >= 0:
         raise IndexError(f"position {int(positions[bad])} (entry {bad}) outside a tensor of {n} elements")
@@ -50,25 +70,22 @@ def write_bits(target: torch.Tensor, positions, bits) -> None:
     Raises:
         IndexError: a position is outside the tensor (nothing written).
     """
-    view = int_view(target)
-    src = _as_bits(bits, view)
-    if view.device.type != "cpu":
-        view.index_put_((_as_index(positions, view.device),), src)
+    dst = _host_view(target)
+    if dst is None:
+        view = int_view(target)
+        view.index_put_((_as_index(positions, view.device),), _as_bits(bits, view))
         return
     pos = _host_index(positions)
-    if pos.size != src.numel():
-        raise ValueError(f"{pos.size} positions for {src.numel()} values")
-    dst = view.numpy()
-    _check(scatter(dst, pos, src.reshape(-1).numpy().view(dst.dtype)), pos, dst.size)
+    _check(scatter(dst, pos, _host_bits(bits, dst, pos.size)), pos, dst.size)
 
 
 def read_bits(target: torch.Tensor, positions) -> torch.Tensor:
     """The integer bits of ``target.flat[positions]`` (a copy, on ``target``'s device)."""
-    view = int_view(target)
-    if view.device.type != "cpu":
+    src = _host_view(target)
+    if src is None:
+        view = int_view(target)
         return view[_as_index(positions, view.device)]
     pos = _host_index(positions)
-    src = view.numpy()
     out = np.empty(pos.size, src.dtype)
     _check(gather(src, pos, out), pos, src.size)
     return torch.from_numpy(out)
@@ -81,18 +98,15 @@ def unequal_at(target: torch.Tensor, positions, bits) -> int:
     Raises:
         IndexError: a position is outside the tensor.
     """
-    view = int_view(target)
-    src = _as_bits(bits, view)
-    if view.device.type != "cpu":
+    view = _host_view(target)
+    if view is None:
+        view = int_view(target)
         idx = _as_index(positions, view.device)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= view.numel()):
             raise IndexError(f"a position outside a tensor of {view.numel()} elements")
-        ne = torch.nonzero(view[idx] != src.reshape(-1)).reshape(-1)
+        ne = torch.nonzero(view[idx] != _as_bits(bits, view).reshape(-1)).reshape(-1)
         return int(ne[0]) if ne.numel() else -1
     pos = _host_index(positions)
-    if pos.size != src.numel():
-        raise ValueError(f"{pos.size} positions for {src.numel()} values")
-    dst = view.numpy()
-    bad, first = unequal(dst, pos, src.reshape(-1).numpy().view(dst.dtype))
-    _check(bad, pos, dst.size)
+    bad, first = unequal(view, pos, _host_bits(bits, view, pos.size))
+    _check(bad, pos, view.size)
     return int(first)

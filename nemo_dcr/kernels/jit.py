@@ -52,6 +52,18 @@ def cttz(typingctx, x):
     return x(x), codegen
 
 
+@intrinsic
+def ctlz(typingctx, x):
+    """Leading zero bits of a non-zero unsigned integer (one ``lzcnt``; undefined for 0)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 1))
+
+    return x(x), codegen
+
+
 AHEAD = 64
 """Iterations between a :func:`prefetch` and the load it serves (an in-order stream of loads)."""
 
