@@ -267,7 +267,8 @@ class LoaderCall:
 
 def record_loader_calls(model: torch.nn.Module, names: Iterable[tuple[str, Sequence[int]]],
                         set_loader: Callable[[torch.nn.Parameter, Callable], Callable]) -> dict[str, list[LoaderCall]]:
-    """Run ``model.load_weights`` on zero tensors with every param's loader replaced by a recorder.
+    """Run ``model.load_weights`` on zero tensors (in the model's dtype, so the engine has nothing
+    to convert or warn about) with every param's loader replaced by a recorder.
 
     Args:
         model: module with ``load_weights(iterable of (name, tensor))`` (the vLLM contract).
@@ -278,6 +279,7 @@ def record_loader_calls(model: torch.nn.Module, names: Iterable[tuple[str, Seque
         Canonical name -> the loader calls ``load_weights`` made for it (empty: not on this rank).
     """
     params = dict(model.named_parameters())
+    dtype = next(iter(params.values())).dtype if params else torch.float32
     calls: dict[str, list[LoaderCall]] = {}
     current = [""]
 
@@ -296,7 +298,7 @@ def record_loader_calls(model: torch.nn.Module, names: Iterable[tuple[str, Seque
         for name, shape in names:
             current[0] = name
             calls.setdefault(name, [])
-            model.load_weights([(name, torch.zeros(tuple(shape)))])
+            model.load_weights([(name, torch.zeros(tuple(shape), dtype=dtype))])
     finally:
         for p, param in params.items():
             set_loader(param, saved[p])

@@ -173,8 +173,9 @@ class DcrWorkerExtension:
         """sha256 of every param this rank's engine writes into."""
         return self.dcr_engine.digests()
 
-    def dcr_load_weights(self, path: str, version: int) -> dict:
-        """Dense refit through the model's own ``load_weights`` from a safetensors checkpoint.
+    def dcr_load_weights(self, source, version: int) -> dict:
+        """Dense refit through the model's own ``load_weights``, from a safetensors checkpoint
+        (``source``: its path) or from canonical HF tensors (``source``: name -> tensor).
 
         Prepacked experts are loaded into their loader-layout copies and repacked.  Returns the
         version, this rank's canonical partial checksums (full rescan), the seconds of reading and
@@ -188,7 +189,8 @@ class DcrWorkerExtension:
 
         def write(params) -> None:
             with self._dcr_loader_layout():
-                model.load_weights(load_checkpoint(path).items())
+                tensors = load_checkpoint(source) if isinstance(source, (str, Path)) else source
+                model.load_weights(tensors.items())
             for name, layer in self.dcr_packed.items():
                 layer.repack(name)
             loaded.append(time.perf_counter() - t0)
