@@ -1,9 +1,10 @@
 """The one in-place write of the package: bits into a tensor's integer view, at flat positions.
 
-Every writer (the engine transaction and its undo log, the trainer baseline, test references)
-goes through :func:`write_bits`, and the transaction's read-back check through
-:func:`unequal_at`; they work on any device and take positions and bits as numpy arrays or torch
-tensors.  On the host they are compiled loops (:mod:`.cpu`) that check every position before the
+Every writer (the engine transaction and its undo log, the trainer baseline and mirror, test
+references) goes through :func:`write_bits`, every gather of bits at positions (undo log, the
+encoder's old bits) through :func:`read_bits`, and the transaction's read-back check through
+:func:`unequal_at`; they work on tensors of any device and on contiguous numpy bit arrays, and
+take positions and bits as numpy arrays or torch tensors.  On the host they are compiled loops (:mod:`.cpu`) that check every position before the
 first write, reached through numpy views without any torch op per call (a call costs a few
 microseconds whatever its size: a refit makes several per tensor); on other devices
 ``index_put_`` and indexing on the integer view.
@@ -37,8 +38,13 @@ def _host_index(positions) -> np.ndarray:
     return np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
 
 
-def _host_view(target: torch.Tensor) -> np.ndarray | None:
-    """The flat signed-integer numpy view of a host tensor (shares memory); None on a device."""
+def _host_view(target: torch.Tensor | np.ndarray) -> np.ndarray | None:
+    """The flat signed-integer numpy view of a host tensor or contiguous numpy array (shares
+    memory); None on a device."""
+    if isinstance(target, np.ndarray):
+        if not target.flags.c_contiguous:
+            raise ValueError("in-place bits need a contiguous array")
+        return target.reshape(-1).view(CARRIER_NP[target.itemsize])
     if target.device.type != "cpu":
         return None
     return int_view(target).numpy()
@@ -59,11 +65,12 @@ def _check(bad: int, positions: np.ndarray, n: int) -> None:
         raise IndexError(f"position {int(positions[bad])} (entry {bad}) outside a tensor of {n} elements")
 
 
-def write_bits(target: torch.Tensor, positions, bits) -> None:
+def write_bits(target: torch.Tensor | np.ndarray, positions, bits) -> None:
     """``target.flat[positions] = bits`` through integer views (in place, any device).
 
     Args:
-        target: contiguous tensor (float, or already an integer view).
+        target: contiguous tensor (float, or already an integer view), or contiguous numpy array
+            of bits.
         positions: flat int64 indices (numpy or torch), each in ``[0, numel)``.
         bits: the new bits, same width as ``target``'s elements (unsigned numpy or any torch int).
 
@@ -79,8 +86,9 @@ def write_bits(target: torch.Tensor, positions, bits) -> None:
     _check(scatter(dst, pos, _host_bits(bits, dst, pos.size)), pos, dst.size)
 
 
-def read_bits(target: torch.Tensor, positions) -> torch.Tensor:
-    """The integer bits of ``target.flat[positions]`` (a copy, on ``target``'s device)."""
+def read_bits(target: torch.Tensor | np.ndarray, positions) -> torch.Tensor | np.ndarray:
+    """The integer bits of ``target.flat[positions]``: a copy, on ``target``'s device (a numpy
+    array of ``target``'s dtype for a numpy ``target``)."""
     src = _host_view(target)
     if src is None:
         view = int_view(target)
@@ -88,7 +96,7 @@ def read_bits(target: torch.Tensor, positions) -> torch.Tensor:
     pos = _host_index(positions)
     out = np.empty(pos.size, src.dtype)
     _check(gather(src, pos, out), pos, src.size)
-    return torch.from_numpy(out)
+    return out.view(target.dtype) if isinstance(target, np.ndarray) else torch.from_numpy(out)
 
 
 def unequal_at(target: torch.Tensor, positions, bits) -> int:

@@ -112,7 +112,7 @@ class SenderMirror:
                 views = self._views.get(d.name, {})
                 for key, (runs, c) in views.items():
                     views[key] = (runs, checksum_after(c, view_delta(d, runs)))
-                self.bits[d.name][d.positions] = d.new_bits
+                write_bits(self.bits[d.name], d.positions, d.new_bits)
             self.checksums = checksums_after(self.checksums, self._staged[1])
             self.indexes.update(self._staged[1])
         self._staged = None

@@ -73,6 +73,26 @@ def test_write_and_read_bits_match_index_put(name):
     assert np.array_equal(read_bits(got, pos).numpy().view(spec.uint), new)
 
 
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_write_and_read_bits_on_numpy_arrays(name):
+    """Host bit arrays (a mirror's, an encoder's base) take the same compiled writes and reads."""
+    spec, rng = DTYPES[name], np.random.default_rng(2)
+    base = rng.integers(0, 1 << spec.bits, 3000, dtype=np.uint64).astype(spec.uint)
+    pos = np.sort(rng.choice(base.size, 400, replace=False)).astype(np.int64)
+    new = rng.integers(0, 1 << spec.bits, pos.size, dtype=np.uint64).astype(spec.uint)
+    got, want = base.copy(), base.copy()
+    want[pos] = new
+    old = read_bits(got, pos)
+    assert old.dtype == base.dtype and np.array_equal(old, base[pos])
+    write_bits(got, pos, new)
+    assert np.array_equal(got, want)
+    with pytest.raises(IndexError, match="outside a tensor of 3000"):
+        write_bits(got, np.array([0, 3000]), new[:2])
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="contiguous"):
+        read_bits(got[::2], pos[:1])
+
+
 def test_out_of_range_write_raises_and_writes_nothing():
     t = torch.zeros(10, dtype=torch.bfloat16)
     for bad in ([3, 10], [-1, 2]):
