@@ -21,6 +21,7 @@ import torch
 
 from nemo_dcr.apply.placement import Runs, view_delta
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
+from nemo_dcr.kernels import write_bits
 from nemo_dcr.kernels.scan import changes_at
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view
 from nemo_dcr.verify.checksum import checksum_after, checksums_after, tensor_checksum
