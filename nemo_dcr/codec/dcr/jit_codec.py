@@ -8,7 +8,7 @@ import numpy as np
 from ...types import DtypeSpec
 from ..errors import MalformedRecordError
 from .class_index import DcrIndex, StaleIndexError
-from .jit_decode import describe, onepass_hist, parse, places
+from .jit_decode import describe, in_position_order, onepass_hist, parse, places
 from .jit_encode import MIN_GROUP_CHANGES, encode_kernel, onepass_ranks
 
 
@@ -89,4 +89,6 @@ def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str,
                                         spec.exp_bits)
     if refused:
         raise _refused(refused, name, at)
+    del cls, kk, val, eref  # the parsed fields go before the sort (peak memory per change)
+    pos, new, old = in_position_order(pos, new, old, base_bits.size)
     return (pos, new, old) if with_old else (pos, new)

@@ -369,17 +369,15 @@ def position_order(pos, n, perm):
 
 
 @njit
-def finish(base, pos, val, eref, perm, nbits, mb, exp_bits):
-    """Old and new bits of the changes ``perm[0], perm[1], ...`` (steps applied, literals
-    checked), in that order: ``(new, old, refused)``, ``refused`` a :func:`refusal` naming a
-    change (its index in ``pos``), or 0."""
+def finish(base, pos, val, eref, nbits, mb, exp_bits):
+    """Old and new bits at each ``pos`` (steps applied, literals checked), in the order of
+    ``pos``: ``(new, old, refused)``, ``refused`` a :func:`refusal` naming a change, or 0."""
     ones, sign, E = (1 << nbits) - 1, 1 << (nbits - 1), 1 << exp_bits
     m = pos.size
     new, old = np.empty(m, base.dtype), np.empty(m, base.dtype)
-    for j in range(m):
-        if j + AHEAD < m:  # a later change's parsed value (changes are read out of parse order)
-            prefetch(val, perm[j + AHEAD])
-        i = perm[j]
+    for i in range(m):
+        if i + AHEAD < m:  # positions come in class order: each old bit is a cache miss, overlapped
+            prefetch(base, pos[i + AHEAD])
         o = np.int64(base[pos[i]]) & ones
         if eref[i] < 0:
             nv = apply_step(o, val[i], ones, sign)
@@ -392,34 +390,30 @@ def finish(base, pos, val, eref, perm, nbits, mb, exp_bits):
             nv = (((v >> mb) & 1) << (nbits - 1)) | (e << mb) | (v & ((1 << mb) - 1))
             if nv == o:
                 return new, old, refusal(LIT_SAME, i)
-        new[j], old[j] = nv, o
+        new[i], old[i] = nv, o
     return new, old, 0
 
 
 @njit
-def _in_order(base, pos, val, eref, perm, nbits, mb, exp_bits):
-    """:func:`places` once the permutation sorting ``pos`` is known: new and old bits born in
-    position order, the sorted positions written over ``val`` (free once they are rebuilt), so
-    nothing of the change count is copied."""
-    new, old, refused = finish(base, pos, val, eref, perm, nbits, mb, exp_bits)
+def places(base, cls, kk, val, eref, order, lfirst, sbefore, sup, kept, nbits, mb, exp_bits):
+    """The changes parsed from a body as ``(positions, new, old, refused, at)`` in class order
+    (one call per record; :func:`in_position_order` sorts them once the parsed fields are
+    dropped): flat indices by the kept index's tables (``kept``) or one pass over ``base``, new
+    bits rebuilt from the old ones.  ``refused`` a :func:`refusal` naming a change, whose
+    position is ``at`` (else 0 and -1)."""
+    pos = select(cls, kk, order, lfirst, sbefore, sup) if kept else \
+        onepass_select(base, mb, (1 << exp_bits) - 1, cls, kk)
+    new, old, refused = finish(base, pos, val, eref, nbits, mb, exp_bits)
     if refused:
         return pos, new, old, refused, pos[(refused >> WHERE) - 1]
-    for j in range(pos.size):
-        val[j] = pos[perm[j]]
-    return val, new, old, 0, -1
+    return pos, new, old, 0, -1
 
 
 @njit
-def places(base, cls, kk, val, eref, order, lfirst, sbefore, sup, kept, nbits, mb, exp_bits):
-    """The changes parsed from a body as ``(positions, new, old, refused, at)`` in position order
-    (one call per record): flat indices by the kept index's tables (``kept``) or one pass over
-    ``base``, sorted, then new bits rebuilt from the old ones in position order (the base read
-    forward).  ``refused`` a :func:`refusal` naming a change, whose position is ``at`` (else 0
-    and -1).  ``val`` is overwritten."""
-    pos = select(cls, kk, order, lfirst, sbefore, sup) if kept else \
-        onepass_select(base, mb, (1 << exp_bits) - 1, cls, kk)
+def in_position_order(pos, new, old, n):
+    """``pos``, ``new`` and ``old`` sorted by position (``pos`` distinct in ``[0, n)``)."""
     if pos.size < 1 << 31:  # a 4-byte permutation (the peak memory stays a small constant per change)
-        perm = position_order(pos, base.size, np.empty(pos.size, np.int32))
-        return _in_order(base, pos, val, eref, perm, nbits, mb, exp_bits)
-    wide = position_order(pos, base.size, np.empty(pos.size, np.int64))
-    return _in_order(base, pos, val, eref, wide, nbits, mb, exp_bits)
+        perm = position_order(pos, n, np.empty(pos.size, np.int32))
+        return pos[perm], new[perm], old[perm]
+    wide = position_order(pos, n, np.empty(pos.size, np.int64))
+    return pos[wide], new[wide], old[wide]
