@@ -7,10 +7,12 @@ Phases (docs/refit.md, "Transactions"):
    tensors (authentication, names, dtypes, shapes, bounds, base checksum, target checksum)
    and the versions are checked: each part's base is the engine's version, all parts share one
    target.  Nothing is written before all parts passed.
-2. **write**: for each tensor, its old bits at the changed positions go into the
-   :class:`UndoLog` *before* the new bits are scattered in (nnz-sized).
-3. **verify**: the written positions are read back and the incremental checksum
-   ``C' = C - sum h(i, old) + sum h(i, read back)`` must equal the record's target checksum.
+2. **write** (:func:`write_deltas`): for each tensor, its old bits at the changed positions
+   (those the decode of phase 1 read) go into the :class:`UndoLog` *before* the new bits are
+   scattered in (nnz-sized).
+3. **verify** (:func:`verify_written`): after all writes the written positions are read back and
+   must hold the new bits, whose incremental checksum ``C' = C - sum h(i, old) + sum h(i, new)``
+   phase 1 checked against the record's target checksum.
 4. **commit** (caller moves its version) or, on any exception in 2-3, **roll back**: the undo
    log restores every touched element in reverse order, bit for bit.
 
@@ -32,9 +34,9 @@ import torch
 
 from nemo_dcr.codec import DcrIndexes, decode, inspect
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
-from nemo_dcr.kernels import read_bits
-from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view, spec_of
-from nemo_dcr.verify.checksum import tensor_checksum, updated_checksum
+from nemo_dcr.kernels import read_bits, unequal_at
+from nemo_dcr.types import SparseDelta, carrier, int_view, spec_of
+from nemo_dcr.verify.checksum import tensor_checksum
 
 from .errors import ApplyVerificationError, IncompletePartsError, VersionMismatchError
 from .shard_view import ShardView
@@ -109,10 +111,6 @@ class ApplyResult:
     undo_bytes: int = 0
     deltas: tuple[SparseDelta, ...] = ()
     undo_spilled_bytes: int = 0
-
-
-def _readback(view: torch.Tensor, pos: torch.Tensor, dtype: str) -> np.ndarray:
-    return read_bits(view, pos).cpu().numpy().view(DTYPES[dtype].uint)
 
 
 def _check_versions(headers, version: int, resync: bool) -> int:
@@ -214,33 +212,52 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
     new_ck = {d.name: int(records[d.name].target_checksum, 16) for d in deltas}
 
     def writes(undo: UndoLog) -> dict[str, int]:
-        touched = {}
-        for d in deltas:
-            if not d.nnz:
-                continue
-            view, pos = _target(tensors[d.name], d.positions)
-            undo.scatter(view, pos, carrier(d.new_bits).to(view.device))
-            touched[d.name] = d.nnz
-            if fault is not None:
-                fault(d.name)
-        _verify_sparse(tensors, deltas, checksums, new_ck)
-        return touched
+        written = write_deltas(undo, tensors, deltas, fault)
+        verify_written(written)
+        return {d.name: d.nnz for d, _, _ in written}
 
     touched, log = _transact(writes, undo)
     result = ApplyResult(version, target, touched, new_ck, False, log.nbytes, tuple(deltas), log.spilled_bytes)
     return Prepared(result, log)
 
 
-def _verify_sparse(tensors, deltas: Sequence[SparseDelta], checksums, new_ck) -> None:
+Written = list[tuple[SparseDelta, torch.Tensor, torch.Tensor]]
+"""What :func:`write_deltas` wrote: each delta with the integer view and the positions in it."""
+
+
+def write_deltas(undo: UndoLog, tensors: Mapping[str, Live], deltas: Sequence[SparseDelta],
+                 fault: FaultHook | None = None) -> Written:
+    """Phase 2: each delta's new bits into its live tensor, its decoded old bits (what the tensor
+    held there when it was validated) into the undo log first; ``fault`` after each tensor."""
+    written = []
     for d in deltas:
         if not d.nnz:
             continue
         view, pos = _target(tensors[d.name], d.positions)
-        got = _readback(view, pos, d.dtype)
-        have = updated_checksum(checksums[d.name], d.positions, d.old_bits, got)
-        if have != new_ck[d.name]:
-            raise ApplyVerificationError(f"{d.name}: checksum after write {have:016x}, "
-                                         f"payload target {new_ck[d.name]:016x}")
+        undo.scatter(view, pos, d.new_bits, d.old_bits)
+        written.append((d, view, pos))
+        if fault is not None:
+            fault(d.name)
+    return written
+
+
+def verify_written(written: Written) -> None:
+    """Phase 3: every written element is read back after all writes and must hold its new bits.
+
+    The new bits' incremental checksum ``C - sum h(i, old) + sum h(i, new)`` matched the record's
+    target checksum in phase 1, so a tensor whose written elements read back equal holds the
+    target checksum (an element-wise comparison: stronger than comparing the sums).
+
+    Raises:
+        ApplyVerificationError: an element does not hold what was written (another write, a
+            device fault, an aliased tensor); the caller rolls back.
+    """
+    for d, view, pos in written:
+        bad = unequal_at(view, pos, d.new_bits)
+        if bad >= 0:
+            got = int(read_bits(view, pos[bad : bad + 1])[0]) & ((1 << (8 * view.element_size())) - 1)
+            raise ApplyVerificationError(f"{d.name}: element {int(d.positions[bad])} reads back {got:#x} after the "
+                                         f"write, the version writes {int(d.new_bits[bad]):#x}")
 
 
 def _zero_base(tensors: Mapping[str, Live], parts: Sequence[bytes], key) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 spilled to a temporary file beyond it.
 
 A delta writes nnz elements (the log keeps 2 B per changed bf16 element, plus a reference to the
-positions, which the decoded payload holds anyway); a resync overwrites whole tensors (the log
+positions, which the decoded payload holds anyway; the transaction hands it the old bits its decode
+read, so nothing is read twice); a resync overwrites whole tensors (the log
 keeps the whole old tensor). Old bits beyond ``limit_bytes`` go to an unnamed-on-close temporary
 file in pieces of ``SPILL_PIECE`` elements (copied to the host first for device tensors), so the
 log's memory is at most ``limit_bytes`` plus one piece, whatever the transaction's size.
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.kernels import read_bits, write_bits
+from nemo_dcr.types import carrier
 
 UNDO_MEMORY_BYTES = 256 << 20
 """Default bound of old bits held in memory (the default ``dcr.bucket_size_mb`` of one part)."""
@@ -50,14 +52,23 @@ class UndoLog:
         self.held_bytes = 0
         self.spilled_bytes = 0
 
-    def scatter(self, view: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
-        """``view[pos] = new`` after saving ``view[pos]``."""
+    def scatter(self, view: torch.Tensor, pos: torch.Tensor, new, old: np.ndarray | None = None) -> None:
+        """``view[pos] = new`` after saving the bits ``view`` holds at ``pos``.
+
+        Args:
+            view: integer view written.
+            pos: flat positions in it.
+            new: the bits to write (numpy or torch, the view's width).
+            old: the bits ``view`` holds at ``pos`` when the caller read them already under the
+                same write guard (the transaction's decode did): kept instead of read again.
+        """
         nbytes = pos.numel() * view.element_size()
         if self.held_bytes + nbytes <= self.limit_bytes:
-            self._entries.append(_Entry(view, pos, read_bits(view, pos)))
+            self._entries.append(_Entry(view, pos, read_bits(view, pos) if old is None else carrier(old)))
             self.held_bytes += nbytes
         else:
-            pieces = (read_bits(view, pos[s : s + SPILL_PIECE]) for s in range(0, pos.numel(), SPILL_PIECE))
+            pieces = (read_bits(view, pos[s : s + SPILL_PIECE]) if old is None else carrier(old[s : s + SPILL_PIECE])
+                      for s in range(0, pos.numel(), SPILL_PIECE))
             self._entries.append(self._spill(view, pos, pieces, pos.numel()))
         write_bits(view, pos, new)
 

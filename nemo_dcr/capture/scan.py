@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.capture.baseline import BaselineStore
-from nemo_dcr.kernels.scan import changed_positions
+from nemo_dcr.kernels.scan import changed_positions, changes_np
 from nemo_dcr.types import SparseDelta, int_view, spec_of
 
 DEFAULT_CHUNK = 1 << 24
@@ -67,6 +67,8 @@ def scan_param(name: str, param: torch.Tensor, base: torch.Tensor, lo: int, hi: 
     """Compare ``param.flat[lo:hi]`` with ``base[lo:hi]`` (integer views) in chunks."""
     spec = spec_of(param.dtype)
     cur = int_view(param)
+    if cur.device.type == "cpu" and base.device.type == "cpu":
+        return _scan_host(name, param, cur.numpy().view(spec.uint), base.numpy().view(spec.uint), lo, hi, chunk)
     pos_parts, new_parts, old_parts = [], [], []
     for start in range(lo, hi, chunk):
         stop = min(start + chunk, hi)
@@ -82,6 +84,21 @@ def scan_param(name: str, param: torch.Tensor, base: torch.Tensor, lo: int, hi: 
         positions=_cat(pos_parts, np.int64),
         new_bits=_cat(new_parts, spec.uint), old_bits=_cat(old_parts, spec.uint),
     )
+
+
+def _scan_host(name: str, param: torch.Tensor, cur: np.ndarray, base: np.ndarray, lo: int, hi: int,
+               chunk: int) -> SparseDelta:
+    """The host scan: one compiled pass per chunk gives positions, new and old bits together."""
+    parts = []
+    for start in range(lo, hi, chunk):
+        stop = min(start + chunk, hi)
+        pos, new, old = changes_np(cur[start:stop], base[start:stop])
+        if pos.size:
+            pos += start
+            parts.append((pos, new, old))
+    pos, new, old = (np.concatenate(x) for x in zip(*parts)) if len(parts) > 1 else parts[0] if parts else \
+        (np.zeros(0, np.int64), np.zeros(0, cur.dtype), np.zeros(0, cur.dtype))
+    return SparseDelta(name, spec_of(param.dtype).name, tuple(param.shape), pos, new, old)
 
 
 def _cat(parts: list[torch.Tensor], dtype) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..kernels import write_bits
+from ..kernels import read_bits, write_bits
 from ..types import DeltaInputError, SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
 from .auth import MIN_KEY_BYTES
@@ -125,7 +125,7 @@ def encode_deltas(
         spec, bits = spec_of(d.validate().dtype), _base_of(base, d)
         base_ck = (base_checksums or {}).get(d.name)
         base_ck = tensor_checksum(bits) if base_ck is None else base_ck
-        old = bits[d.positions]
+        old = read_bits(bits, d.positions)
         index = indexes.get(d.name, bits, spec, base_ck) if indexes is not None and encoding == "dcr" and d.nnz \
             else None
         enc, body, params = encode_record(encoding, bits, d.positions, d.new_bits, spec, index, old)

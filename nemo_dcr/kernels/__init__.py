@@ -2,7 +2,7 @@
 write of bits; compiled numba loops on the host (:mod:`.cpu`, declared through :mod:`.jit`),
 torch ops on other devices."""
 
-from .inplace import read_bits, write_bits
+from .inplace import read_bits, unequal_at, write_bits
 from .scan import changed_positions, scan_changes
 
-__all__ = ["changed_positions", "read_bits", "scan_changes", "write_bits"]
+__all__ = ["changed_positions", "read_bits", "scan_changes", "unequal_at", "write_bits"]

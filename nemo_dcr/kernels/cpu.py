@@ -1,7 +1,8 @@
 """Compiled host kernels of the capture scan and of the in-place bit writes.
 
 These are the CPU paths of :func:`nemo_dcr.kernels.changed_positions`,
-:func:`nemo_dcr.kernels.write_bits` and :func:`nemo_dcr.kernels.read_bits`; the torch ops stay
+:func:`nemo_dcr.kernels.write_bits`, :func:`nemo_dcr.kernels.read_bits` and
+:func:`nemo_dcr.kernels.unequal_at`; the torch ops stay
 the device paths and the test references.  Arrays are numpy integer views of one width.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit
+from .jit import AHEAD, cttz, njit, prefetch
 
 _WORDS = 8  # 64-bit words compared per step of the scan (one cache line)
 
@@ -22,16 +23,30 @@ def _grow(a, k):
 
 
 @njit
+def _lane_masks(per_word):
+    """``(low, high)``: the low ``width - 1`` bits and the top bit of each lane of a word
+    holding ``per_word`` elements."""
+    width = 64 // per_word
+    high = np.uint64(0)
+    for lane in range(per_word):
+        high |= np.uint64(1) << np.uint64(width * lane + width - 1)
+    return (high >> np.uint64(width - 1)) * ((np.uint64(1) << np.uint64(width - 1)) - np.uint64(1)), high
+
+
+@njit
 def scan_words(cur, old, cur_w, old_w, per_word):
-    """Positions (int64, increasing) and new bits where ``cur != old``.
+    """Positions (int64, increasing), new and old bits where ``cur != old``.
 
     ``cur_w``/``old_w`` are uint64 views of the first ``cur_w.size * per_word`` elements: a
-    cache line of words is compared at once and only lines that differ are looked at element
-    by element.
+    cache line of words is compared at once; in a line that differs, each differing word's
+    changed lanes are found with bit arithmetic (the top bit of each non-zero lane of
+    ``cur ^ old``), one trailing-zero count per change, no per-element compare.
     """
     n, nw = cur.size, cur_w.size
     pos = np.empty(1024 + (n >> 8), np.int64)
-    new = np.empty(pos.size, cur.dtype)
+    new, was = np.empty(pos.size, cur.dtype), np.empty(pos.size, cur.dtype)
+    low, high = _lane_masks(per_word)
+    lane_shift = np.uint64(_log2(64 // per_word))
     k = 0
     for w0 in range(0, nw - nw % _WORDS, _WORDS):
         acc = np.uint64(0)
@@ -40,18 +55,33 @@ def scan_words(cur, old, cur_w, old_w, per_word):
         if acc == 0:
             continue
         if k + _WORDS * per_word > pos.size:
-            pos, new = _grow(pos, k + _WORDS * per_word), _grow(new, k + _WORDS * per_word)
-        for i in range(w0 * per_word, (w0 + _WORDS) * per_word):
-            if cur[i] != old[i]:
-                pos[k], new[k] = i, cur[i]
+            grow = k + _WORDS * per_word
+            pos, new, was = _grow(pos, grow), _grow(new, grow), _grow(was, grow)
+        for t in range(_WORDS):
+            x = cur_w[w0 + t] ^ old_w[w0 + t]
+            lanes = (((x & low) + low) | x) & high
+            at = (w0 + t) * per_word
+            while lanes:
+                i = at + np.int64(cttz(lanes) >> lane_shift)
+                pos[k], new[k], was[k] = i, cur[i], old[i]
                 k += 1
+                lanes &= lanes - np.uint64(1)
     for i in range((nw - nw % _WORDS) * per_word, n):
         if cur[i] != old[i]:
             if k == pos.size:
-                pos, new = _grow(pos, k), _grow(new, k)
-            pos[k], new[k] = i, cur[i]
+                pos, new, was = _grow(pos, k), _grow(new, k), _grow(was, k)
+            pos[k], new[k], was[k] = i, cur[i], old[i]
             k += 1
-    return pos[:k].copy(), new[:k].copy()
+    return pos[:k].copy(), new[:k].copy(), was[:k].copy()
+
+
+@njit
+def _log2(x):
+    n = 0
+    while x > 1:
+        x >>= 1
+        n += 1
+    return n
 
 
 @njit
@@ -68,9 +98,45 @@ def scatter(view, positions, bits):
     bad = _in_bounds(positions, view.size)
     if bad >= 0:
         return bad
-    for i in range(positions.size):
+    m = positions.size
+    for i in range(m):
+        if i + AHEAD < m:
+            prefetch(view, positions[i + AHEAD])
         view[positions[i]] = bits[i]
     return -1
+
+
+@njit
+def changed_at(view, positions, bits):
+    """``(bad, positions, new, old)`` of the entries where ``view[positions[i]] != bits[i]``, in
+    their order; ``bad`` the first position outside ``view`` (then nothing else), else -1."""
+    bad = _in_bounds(positions, view.size)
+    m = positions.size if bad < 0 else 0
+    pos, new, old = np.empty(m, np.int64), np.empty(m, bits.dtype), np.empty(m, view.dtype)
+    k = 0
+    for i in range(m):
+        if i + AHEAD < m:
+            prefetch(view, positions[i + AHEAD])
+        p = positions[i]
+        pos[k], new[k], old[k] = p, bits[i], view[p]
+        k += view[p] != bits[i]
+    return bad, pos[:k], new[:k], old[:k]
+
+
+@njit
+def unequal(view, positions, bits):
+    """``(bad, first)``: the first position outside ``view`` (or -1), else the first entry whose
+    element does not hold ``bits[i]`` (or -1).  Reads the elements once, writes nothing."""
+    bad = _in_bounds(positions, view.size)
+    if bad >= 0:
+        return bad, -1
+    m = positions.size
+    for i in range(m):
+        if i + AHEAD < m:
+            prefetch(view, positions[i + AHEAD])
+        if view[positions[i]] != bits[i]:
+            return -1, i
+    return -1, -1
 
 
 @njit
@@ -79,6 +145,9 @@ def gather(view, positions, out):
     bad = _in_bounds(positions, view.size)
     if bad >= 0:
         return bad
-    for i in range(positions.size):
+    m = positions.size
+    for i in range(m):
+        if i + AHEAD < m:
+            prefetch(view, positions[i + AHEAD])
         out[i] = view[positions[i]]
     return -1

@@ -1,9 +1,13 @@
 """The one in-place write of the package: bits into a tensor's integer view, at flat positions.
 
-Every writer (the engine transaction and its undo log, the trainer baseline, test references)
-goes through :func:`write_bits`; it works on any device and takes positions and bits as numpy
-arrays or torch tensors.  On the host it is a compiled scatter (:mod:`.cpu`) that checks every
-position before the first write; on other devices ``index_put_`` on the integer view.
+Every writer (the engine transaction and its undo log, the trainer baseline and mirror, test
+references) goes through :func:`write_bits`, every gather of bits at positions (undo log, the
+encoder's old bits) through :func:`read_bits`, and the transaction's read-back check through
+:func:`unequal_at`; they work on tensors of any device and on contiguous numpy bit arrays, and
+take positions and bits as numpy arrays or torch tensors.  On the host they are compiled loops (:mod:`.cpu`) that check every position before the
+first write, reached through numpy views without any torch op per call (a call costs a few
+microseconds whatever its size: a refit makes several per tensor); on other devices
+``index_put_`` and indexing on the integer view.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..types import carrier, int_view
-from .cpu import gather, scatter
+from ..types import CARRIER_NP, carrier, int_view
+from .cpu import gather, scatter, unequal
 
 
 def _as_index(positions, device) -> torch.Tensor:
@@ -34,41 +38,83 @@ def _host_index(positions) -> np.ndarray:
     return np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
 
 
+def _host_view(target: torch.Tensor | np.ndarray) -> np.ndarray | None:
+    """The flat signed-integer numpy view of a host tensor or contiguous numpy array (shares
+    memory); None on a device."""
+    if isinstance(target, np.ndarray):
+        if not target.flags.c_contiguous:
+            raise ValueError("in-place bits need a contiguous array")
+        return target.reshape(-1).view(CARRIER_NP[target.itemsize])
+    if target.device.type != "cpu":
+        return None
+    return int_view(target).numpy()
+
+
+def _host_bits(bits, dst: np.ndarray, count: int) -> np.ndarray:
+    """``bits`` (numpy or torch, ``dst``'s width) as a flat numpy array of ``dst``'s dtype."""
+    a = bits.detach().cpu().reshape(-1).numpy() if isinstance(bits, torch.Tensor) else np.asarray(bits).reshape(-1)
+    if a.itemsize != dst.itemsize:
+        raise ValueError(f"bits of {a.itemsize} bytes for a {dst.itemsize}-byte tensor")
+    if a.size != count:
+        raise ValueError(f"{count} positions for {a.size} values")
+    return np.ascontiguousarray(a).view(CARRIER_NP[dst.itemsize])
+
+
 def _check(bad: int, positions: np.ndarray, n: int) -> None:
     if bad >= 0:
         raise IndexError(f"position {int(positions[bad])} (entry {bad}) outside a tensor of {n} elements")
 
 
-def write_bits(target: torch.Tensor, positions, bits) -> None:
+def write_bits(target: torch.Tensor | np.ndarray, positions, bits) -> None:
     """``target.flat[positions] = bits`` through integer views (in place, any device).
 
     Args:
-        target: contiguous tensor (float, or already an integer view).
+        target: contiguous tensor (float, or already an integer view), or contiguous numpy array
+            of bits.
         positions: flat int64 indices (numpy or torch), each in ``[0, numel)``.
         bits: the new bits, same width as ``target``'s elements (unsigned numpy or any torch int).
 
     Raises:
         IndexError: a position is outside the tensor (nothing written).
     """
-    view = int_view(target)
-    src = _as_bits(bits, view)
-    if view.device.type != "cpu":
-        view.index_put_((_as_index(positions, view.device),), src)
+    dst = _host_view(target)
+    if dst is None:
+        view = int_view(target)
+        view.index_put_((_as_index(positions, view.device),), _as_bits(bits, view))
         return
     pos = _host_index(positions)
-    if pos.size != src.numel():
-        raise ValueError(f"{pos.size} positions for {src.numel()} values")
-    dst = view.numpy()
-    _check(scatter(dst, pos, src.reshape(-1).numpy().view(dst.dtype)), pos, dst.size)
+    _check(scatter(dst, pos, _host_bits(bits, dst, pos.size)), pos, dst.size)
 
 
-def read_bits(target: torch.Tensor, positions) -> torch.Tensor:
-    """The integer bits of ``target.flat[positions]`` (a copy, on ``target``'s device)."""
-    view = int_view(target)
-    if view.device.type != "cpu":
+def read_bits(target: torch.Tensor | np.ndarray, positions) -> torch.Tensor | np.ndarray:
+    """The integer bits of ``target.flat[positions]``: a copy, on ``target``'s device (a numpy
+    array of ``target``'s dtype for a numpy ``target``)."""
+    src = _host_view(target)
+    if src is None:
+        view = int_view(target)
         return view[_as_index(positions, view.device)]
     pos = _host_index(positions)
-    src = view.numpy()
     out = np.empty(pos.size, src.dtype)
     _check(gather(src, pos, out), pos, src.size)
-    return torch.from_numpy(out)
+    return out.view(target.dtype) if isinstance(target, np.ndarray) else torch.from_numpy(out)
+
+
+def unequal_at(target: torch.Tensor, positions, bits) -> int:
+    """The first entry ``i`` where ``target.flat[positions[i]]`` does not hold ``bits[i]`` (-1: every
+    element holds its bits); reads only those elements (any device), writes nothing.
+
+    Raises:
+        IndexError: a position is outside the tensor.
+    """
+    view = _host_view(target)
+    if view is None:
+        view = int_view(target)
+        idx = _as_index(positions, view.device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= view.numel()):
+            raise IndexError(f"a position outside a tensor of {view.numel()} elements")
+        ne = torch.nonzero(view[idx] != _as_bits(bits, view).reshape(-1)).reshape(-1)
+        return int(ne[0]) if ne.numel() else -1
+    pos = _host_index(positions)
+    bad, first = unequal(view, pos, _host_bits(bits, view, pos.size))
+    _check(bad, pos, view.size)
+    return int(first)

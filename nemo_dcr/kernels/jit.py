@@ -10,6 +10,10 @@ Kernels work on numpy arrays only; torch CPU tensors reach them through zero-cop
 from __future__ import annotations
 
 import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 
 def _llvmlite_has_a_real_dict() -> None:
@@ -34,3 +38,54 @@ _llvmlite_has_a_real_dict()
 def njit(fn):
     """Compile ``fn`` lazily per argument types, cached on disk, without the GIL."""
     return numba.njit(cache=True, nogil=True)(fn)
+
+
+@intrinsic
+def cttz(typingctx, x):
+    """Trailing zero bits of a non-zero unsigned integer (one ``tzcnt``; undefined for 0)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
+    return x(x), codegen
+
+
+@intrinsic
+def ctlz(typingctx, x):
+    """Leading zero bits of a non-zero unsigned integer (one ``lzcnt``; undefined for 0)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 1))
+
+    return x(x), codegen
+
+
+AHEAD = 64
+"""Iterations between a :func:`prefetch` and the load it serves (an in-order stream of loads)."""
+
+
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Hint the cache line of ``arr[index]`` (a 1-D array) into all cache levels: a read that
+    never faults (any index) and changes no result.  Issued :data:`AHEAD` iterations before a
+    loop's load at a data-dependent address, it lets that cache miss overlap the work in between
+    (measured in ``benchmarks/peer.py``: the ``dcr`` decoder's gather of old bits 4.5x faster)."""
+    if not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False,
+                                       boundscheck=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, index), codegen

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..types import int_view
-from .cpu import scan_words
+from .cpu import changed_at, scan_words
 
 DEFAULT_CHUNK = 1 << 26
 
@@ -22,10 +22,33 @@ def _words(a: np.ndarray) -> np.ndarray:
     return raw[: raw.size - raw.size % 8].view(np.uint64)
 
 
-def changed_bits_np(cur: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions (int64, increasing) and new bits where two same-size 1-D integer arrays differ."""
+def changes_np(cur: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions (int64, increasing), new and old bits where two same-size 1-D integer arrays differ
+    (one compiled pass)."""
     cur, old = np.ascontiguousarray(cur), np.ascontiguousarray(old)
     return scan_words(cur, old, _words(cur), _words(old), 8 // cur.itemsize)
+
+
+def changed_bits_np(cur: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (int64, increasing) and new bits where two same-size 1-D integer arrays differ."""
+    return changes_np(cur, old)[:2]
+
+
+def changes_at(bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray):
+    """Positions, new and old bits of the entries where 1-D ``bits[positions]`` differs from
+    ``new_bits`` (one compiled pass; entries kept in their order).
+
+    Raises:
+        IndexError: a position is outside ``bits``.
+    """
+    positions = np.ascontiguousarray(positions, np.int64)
+    new_bits = np.ascontiguousarray(new_bits)
+    if positions.size != new_bits.size:
+        raise ValueError(f"{positions.size} positions for {new_bits.size} values")
+    bad, pos, new, old = changed_at(np.ascontiguousarray(bits), positions, new_bits)
+    if bad >= 0:
+        raise IndexError(f"position {int(positions[bad])} (entry {bad}) outside {bits.size} elements")
+    return pos, new, old
 
 
 def changed_positions(cur: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

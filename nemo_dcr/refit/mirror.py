@@ -21,6 +21,8 @@ import torch
 
 from nemo_dcr.apply.placement import Runs, view_delta
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
+from nemo_dcr.kernels import write_bits
+from nemo_dcr.kernels.scan import changes_at
 from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view
 from nemo_dcr.verify.checksum import checksum_after, checksums_after, tensor_checksum
 from nemo_dcr.verify.sample import Sample, runs_checksum
@@ -65,10 +67,8 @@ class SenderMirror:
         """Merged deltas of owned tensors with ``old_bits`` from the mirror; no-ops removed."""
         out = []
         for d in pieces:
-            mirror = self.bits[d.name]
-            old = mirror[d.positions]
-            keep = old != d.new_bits
-            out.append(SparseDelta(d.name, d.dtype, d.shape, d.positions[keep], d.new_bits[keep], old[keep]))
+            pos, new, old = changes_at(self.bits[d.name], d.positions, d.new_bits)
+            out.append(SparseDelta(d.name, d.dtype, d.shape, pos, new, old))
         return out
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
@@ -114,7 +114,7 @@ class SenderMirror:
                 views = self._views.get(d.name, {})
                 for key, (runs, c) in views.items():
                     views[key] = (runs, checksum_after(c, view_delta(d, runs)))
-                self.bits[d.name][d.positions] = d.new_bits
+                write_bits(self.bits[d.name], d.positions, d.new_bits)
             self.checksums = checksums_after(self.checksums, self._staged[1])
             self.indexes.update(self._staged[1])
         self._staged = None

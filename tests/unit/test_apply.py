@@ -115,7 +115,7 @@ def test_corrupt_byte_refused():
     assert _bits_equal(engine.tensors, base)
 
 
-def test_verification_failure_rolls_back(monkeypatch):
+def test_verification_failure_rolls_back():
     base = _model()
     engine = TensorEngine(_clone(base), key=KEY)
     engine.sums.views["layer2.weight"] ^= 1  # the engine's incremental value drifted
@@ -123,8 +123,15 @@ def test_verification_failure_rolls_back(monkeypatch):
     with pytest.raises(DeltaFormatError):  # base checksum no longer matches: refused up front
         apply_version(engine, {0: [payload]})
     engine.checksums(full=True)
-    monkeypatch.setattr("nemo_dcr.apply.transaction.updated_checksum", lambda *a: 0)
-    with pytest.raises(ApplyVerificationError):
+    target = _step(base)
+    written = int(torch.nonzero((base["layer2.weight"] != target["layer2.weight"]).reshape(-1))[0])
+
+    def corrupt(name):  # a written element changes behind the transaction's back (another writer, a device fault)
+        if name == "layer2.weight":
+            engine.tensors[name].view(torch.int16).reshape(-1)[written] ^= 1
+
+    engine.fault = corrupt
+    with pytest.raises(ApplyVerificationError, match=f"layer2.weight: element {written} reads back"):
         apply_version(engine, {0: [payload]})
     assert _bits_equal(engine.tensors, base) and engine.version == 0
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from nemo_dcr.kernels import read_bits, scan_changes, write_bits
-from nemo_dcr.kernels.scan import changed_bits_np
+from nemo_dcr.kernels.scan import changed_bits_np, changes_np
 from nemo_dcr.types import DTYPES, carrier, tensor_from_bits
 from nemo_dcr.verify.checksum import hash_sum, hash_sum_np, tensor_checksum, tensor_checksum_np, updated_checksum
 
 UINTS = (np.uint8, np.uint16, np.uint32)
 
 
-@pytest.mark.parametrize("dtype", UINTS)
+@pytest.mark.parametrize("dtype", UINTS + (np.uint64,))
 def test_scan_equals_numpy_mask(dtype):
     rng = np.random.default_rng(np.dtype(dtype).itemsize)
     for n in (0, 1, 7, 63, 64, 65, 1000, 70_001):
@@ -27,6 +27,24 @@ def test_scan_equals_numpy_mask(dtype):
                 pos, new = changed_bits_np(b[off:], a[off:])
                 want = np.flatnonzero(b[off:] != a[off:])
                 assert np.array_equal(pos, want) and np.array_equal(new, b[off:][want])
+                pos, new, old = changes_np(b[off:], a[off:])
+                assert np.array_equal(pos, want) and np.array_equal(new, b[off:][want])
+                assert np.array_equal(old, a[off:][want])
+
+
+def test_scan_finds_every_lane_of_a_word():
+    """Each element width's lanes: every subset of changed lanes in one word (and a high-bit-only
+    change, which the lane arithmetic must not carry into its neighbour)."""
+    for dtype in UINTS + (np.uint64,):
+        per = 8 // np.dtype(dtype).itemsize
+        top = dtype(1 << (8 * np.dtype(dtype).itemsize - 1))
+        for subset in range(1 << per):
+            a = np.zeros(8 * per * 3, dtype)
+            b = a.copy()
+            lanes = [j for j in range(per) if subset >> j & 1]
+            b[8 * per + np.array(lanes, dtype=np.int64)] = top
+            pos, new, old = changes_np(b, a)
+            assert pos.tolist() == [8 * per + j for j in lanes] and (new == top).all() and (old == 0).all()
 
 
 def test_scan_changes_on_tensors_is_bitwise():
@@ -53,6 +71,26 @@ def test_write_and_read_bits_match_index_put(name):
     write_bits(got, torch.from_numpy(pos[::-1].copy()), carrier(new[::-1].copy()))  # torch inputs, any order
     assert torch.equal(got.view(carrier(new).dtype), want.view(carrier(new).dtype))
     assert np.array_equal(read_bits(got, pos).numpy().view(spec.uint), new)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_write_and_read_bits_on_numpy_arrays(name):
+    """Host bit arrays (a mirror's, an encoder's base) take the same compiled writes and reads."""
+    spec, rng = DTYPES[name], np.random.default_rng(2)
+    base = rng.integers(0, 1 << spec.bits, 3000, dtype=np.uint64).astype(spec.uint)
+    pos = np.sort(rng.choice(base.size, 400, replace=False)).astype(np.int64)
+    new = rng.integers(0, 1 << spec.bits, pos.size, dtype=np.uint64).astype(spec.uint)
+    got, want = base.copy(), base.copy()
+    want[pos] = new
+    old = read_bits(got, pos)
+    assert old.dtype == base.dtype and np.array_equal(old, base[pos])
+    write_bits(got, pos, new)
+    assert np.array_equal(got, want)
+    with pytest.raises(IndexError, match="outside a tensor of 3000"):
+        write_bits(got, np.array([0, 3000]), new[:2])
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="contiguous"):
+        read_bits(got[::2], pos[:1])
 
 
 def test_out_of_range_write_raises_and_writes_nothing():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...kernels.jit import njit
+from ...kernels.jit import ctlz, njit
 
 MAX_K = 63
+PAD = 8  # zero bytes after a stream buffer: a reader loads 8 bytes at any byte of the stream
 SAT = 1 << 60  # varints at or above this are saturated: no field accepts such a value
 LIMIT = 1 << 62  # every valid Rice value is below this
 
@@ -148,25 +149,41 @@ def merge_r(out, qoff, q_len, st, rbuf):
 
 # ------------------------------------------------------------------------------------------ reading
 @njit
-def _first_one(byte):
-    n = 0
-    while not (byte & (0x80 >> n)):
-        n += 1
-    return n
+def padded(data):
+    """The stream bytes followed by :data:`PAD` zero bytes (what :func:`get_unary` and
+    :func:`get_bits` read)."""
+    out = np.zeros(data.size + PAD, np.uint8)
+    out[: data.size] = data
+    return out
+
+
+@njit
+def _peek(data, byte):
+    """64 bits, most significant first, from ``data[byte:]`` (padded: ``byte + 8 <= data.size``)."""
+    v = np.uint64(0)
+    for t in range(8):
+        v = (v << np.uint64(8)) | np.uint64(data[byte + t])
+    return v
 
 
 @njit
 def get_unary(data, qpos, q_len):
-    """``(quotient, next bit)`` of the unary code at bit ``qpos`` of ``data``; next -1 when no
-    one bit is left before ``q_len``."""
+    """``(quotient, next bit)`` of the unary code at bit ``qpos`` of a :func:`padded` stream;
+    next -1 when no one bit is left before ``q_len``.  One 64-bit window and a leading-zero count
+    per code; a run of more than 56 zeros walks on byte by byte."""
     i = qpos >> 3
-    cur = np.int64(data[i]) & (0xFF >> (qpos & 7)) if i < data.size else 0
-    while cur == 0:
-        i += 1
-        if (i << 3) >= q_len:
-            return 0, -1
-        cur = np.int64(data[i])
-    end = (i << 3) + _first_one(cur)
+    window = _peek(data, i) << np.uint64(qpos & 7)
+    if window != 0:
+        end = qpos + np.int64(ctlz(window))
+    else:
+        i += 8  # bytes i .. i + 7 held no one bit from qpos on
+        while True:
+            if (i << 3) >= q_len or i >= data.size - PAD:
+                return 0, -1
+            if data[i]:
+                break
+            i += 1
+        end = (i << 3) + np.int64(ctlz(np.uint64(data[i]))) - 56
     if end >= q_len:
         return 0, -1
     return end - qpos, end + 1
@@ -174,15 +191,15 @@ def get_unary(data, qpos, q_len):
 
 @njit
 def get_bits(data, bp, k):
-    """``k`` bits MSB first from bit ``bp`` of ``data``."""
-    v = 0
-    while k > 0:
-        avail = 8 - (bp & 7)
-        take = min(avail, k)
-        v = (v << take) | ((np.int64(data[bp >> 3]) >> (avail - take)) & ((1 << take) - 1))
-        k -= take
-        bp += take
-    return v
+    """``k`` bits MSB first from bit ``bp`` of a :func:`padded` stream (one 64-bit window up to 56
+    bits)."""
+    if k == 0:
+        return 0
+    if k <= 56:
+        return np.int64((_peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(64 - k))
+    hi = np.int64((_peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(96 - k))  # the first k - 32 bits
+    bp += k - 32
+    return (hi << 32) | np.int64((_peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(32))
 
 
 # ------------------------------------------------------------------------------------------ keys

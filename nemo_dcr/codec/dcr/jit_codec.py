@@ -8,9 +8,8 @@ import numpy as np
 from ...types import DtypeSpec
 from ..errors import MalformedRecordError
 from .class_index import DcrIndex, StaleIndexError
-from .jit_decode import describe, finish, onepass_hist, onepass_select, parse, position_order
+from .jit_decode import describe, in_position_order, onepass_hist, parse, places
 from .jit_encode import MIN_GROUP_CHANGES, encode_kernel, onepass_ranks
-from .jit_index import select
 
 
 def class_ranks(base_bits: np.ndarray, positions: np.ndarray, old_bits: np.ndarray, spec: DtypeSpec,
@@ -51,12 +50,17 @@ def _check_index(index: DcrIndex, base_bits: np.ndarray, spec: DtypeSpec) -> Non
                               f"{base_bits.size} {spec.name} elements")
 
 
-def _refused(refused: int, name: str, pos: np.ndarray | None = None) -> MalformedRecordError:
-    """The error of a kernel's refusal: the rule of section 4.4 broken and the group (or, with the
-    changes' ``pos``, the position) where."""
+def _refused(refused: int, name: str, position: int | None = None) -> MalformedRecordError:
+    """The error of a kernel's refusal: the rule of section 4.4 broken and the group (or, for a
+    change, its ``position``) where."""
     rule, where = describe(refused)
-    at = "" if where < 0 else f"group {where}: " if pos is None else f"change at position {int(pos[where])}: "
+    at = "" if where < 0 else f"group {where}: " if position is None else f"change at position {int(position)}: "
     return MalformedRecordError(f"dcr body (wire format 4.4): {at}{rule}", name)
+
+
+_NO_TABLES = (np.zeros(0, np.uint16), np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16),
+              np.zeros((1, 1), np.int64))
+"""Stand-ins for a kept index's tables when there is none (the one-pass select runs instead)."""
 
 
 def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str,
@@ -79,15 +83,12 @@ def decode_dcr(body, base_bits: np.ndarray, spec: DtypeSpec, name: str,
     cls, kk, val, eref, refused = parse(raw, hist, spec.bits, shift, spec.exp_bits)
     if refused:
         raise _refused(refused, name)
-    # the selects write each flat index over its rank: no array of the change count is born here
-    pos = select(cls, kk, *index.tables()) if index is not None else \
-        onepass_select(base_bits, shift, emask, cls, kk)
-    del cls, kk
-    new, old, refused = finish(base_bits, pos, val, eref, spec.bits, shift, spec.exp_bits)
-    del val, eref
+    # the select writes each flat index over its rank: no array of the change count is born there
+    tables = index.tables() if index is not None else _NO_TABLES
+    pos, new, old, refused, at = places(base_bits, cls, kk, val, eref, *tables, index is not None, spec.bits, shift,
+                                        spec.exp_bits)
     if refused:
-        raise _refused(refused, name, pos)
-    perm = position_order(pos, base_bits.size, np.empty(pos.size, np.int32 if pos.size < 1 << 31 else np.int64))
-    pos = pos[perm]
-    new, old = new[perm], old[perm]
+        raise _refused(refused, name, at)
+    del cls, kk, val, eref  # the parsed fields go before the sort (peak memory per change)
+    pos, new, old = in_position_order(pos, new, old, base_bits.size)
     return (pos, new, old) if with_old else (pos, new)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...kernels.jit import njit
+from ...kernels.jit import AHEAD, njit, prefetch
 from . import jit_index as K
-from .jit_bits import LIMIT, MAX_K, apply_step, get_bits, get_unary, get_varint, set_rice_k
+from .jit_index import select
+from .jit_bits import LIMIT, MAX_K, apply_step, get_bits, get_unary, get_varint, padded, set_rice_k
 
 ERR = ("",
        "truncated field (a varint or a byte), or a varint longer than 10 bytes",
@@ -284,6 +285,7 @@ def parse(body, hist, nbits, mb, exp_bits):
     codes, rbits = _plan(tab, sizes)
     if rbits != r_len:
         return z16, z, z, z16, R_LEN
+    data = padded(data)  # the readers load 8 bytes at a time
     m, big = tab[:, N].sum(), tab[:, N].max() + 1
     rank, val, eref = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int16)
     sc = (np.empty(big, np.int64), np.empty(big, np.int64), np.empty(big, np.int64))  # one group's sets
@@ -374,6 +376,8 @@ def finish(base, pos, val, eref, nbits, mb, exp_bits):
     m = pos.size
     new, old = np.empty(m, base.dtype), np.empty(m, base.dtype)
     for i in range(m):
+        if i + AHEAD < m:  # positions come in class order: each old bit is a cache miss, overlapped
+            prefetch(base, pos[i + AHEAD])
         o = np.int64(base[pos[i]]) & ones
         if eref[i] < 0:
             nv = apply_step(o, val[i], ones, sign)
@@ -388,3 +392,28 @@ def finish(base, pos, val, eref, nbits, mb, exp_bits):
                 return new, old, refusal(LIT_SAME, i)
         new[i], old[i] = nv, o
     return new, old, 0
+
+
+@njit
+def places(base, cls, kk, val, eref, order, lfirst, sbefore, sup, kept, nbits, mb, exp_bits):
+    """The changes parsed from a body as ``(positions, new, old, refused, at)`` in class order
+    (one call per record; :func:`in_position_order` sorts them once the parsed fields are
+    dropped): flat indices by the kept index's tables (``kept``) or one pass over ``base``, new
+    bits rebuilt from the old ones.  ``refused`` a :func:`refusal` naming a change, whose
+    position is ``at`` (else 0 and -1)."""
+    pos = select(cls, kk, order, lfirst, sbefore, sup) if kept else \
+        onepass_select(base, mb, (1 << exp_bits) - 1, cls, kk)
+    new, old, refused = finish(base, pos, val, eref, nbits, mb, exp_bits)
+    if refused:
+        return pos, new, old, refused, pos[(refused >> WHERE) - 1]
+    return pos, new, old, 0, -1
+
+
+@njit
+def in_position_order(pos, new, old, n):
+    """``pos``, ``new`` and ``old`` sorted by position (``pos`` distinct in ``[0, n)``)."""
+    if pos.size < 1 << 31:  # a 4-byte permutation (the peak memory stays a small constant per change)
+        perm = position_order(pos, n, np.empty(pos.size, np.int32))
+        return pos[perm], new[perm], old[perm]
+    wide = position_order(pos, n, np.empty(pos.size, np.int64))
+    return pos[wide], new[wide], old[wide]

@@ -15,20 +15,21 @@ Layout, for a tensor of ``n`` elements with ``E`` exponent classes, cut into blo
 The rank of element ``p`` (class ``c``, block ``b``) among the elements of its class is
 ``sup[c, b // S] + sbefore[c, b] + j`` with ``j`` its place in its run (binary search).
 Class moves (elements whose exponent changed) rewrite their block's ``order`` once, between the
-first and the last moved entry (segment copies), and adjust at most 15 ``sbefore`` entries per
-class each.  ``sup`` rows of the classes that moved are summed
-again per update (``nsb`` additions each).
+first and the last moved entry (segment copies; the events come in order from a counting sort
+by class), and adjust at most 15 ``sbefore`` entries per class by its net change over the block.
+``sup`` rows of the classes that moved are summed again per update (``nsb`` additions each).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...kernels.jit import njit
+from ...kernels.jit import AHEAD, njit, prefetch
 
 BSHIFT = 12
 BLOCK = 1 << BSHIFT
 SSHIFT = 4  # blocks per superblock = 16
+EV = BSHIFT + 1  # class shift in a block event (local index and departure flag below)
 SHIFTS = 2  # moves in one block up to which entries are shifted per move instead of rewritten once
 
 
@@ -131,6 +132,7 @@ def _first(sup):
 
 
 CHUNK = 1024  # changes ranked per round of passes (their scratch stays in cache)
+PF = 32  # changes between the prefetch of a change's table entries and their loads
 
 
 @njit
@@ -153,16 +155,22 @@ def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out):
         prev = p
     lo, hi = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.int64)
     guess, at_guess = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.int64)
+    lf, sbf, rows, nb = lfirst.reshape(-1), sbefore.reshape(-1), lfirst.shape[1], lfirst.shape[0]
     for j0 in range(0, m, CHUNK):
         w = min(CHUNK, m - j0)
         for t in range(w):
+            if t + PF < w:  # the table entries of a later change on their way
+                bp, cp = positions[j0 + t + PF] >> BSHIFT, _cls(old[j0 + t + PF], shift, emask)
+                prefetch(lf, bp * rows + cp)
+                prefetch(sbf, cp * nb + bp)
             p = positions[j0 + t]
             b, c = p >> BSHIFT, _cls(old[j0 + t], shift, emask)
             lo[t], hi[t] = (b << BSHIFT) + lfirst[b, c], (b << BSHIFT) + lfirst[b, c + 1]
             out[j0 + t] = first[c] + sup[c, b >> SSHIFT] + sbefore[c, b] - lo[t]
+            guess[t] = min(lo[t] + (((hi[t] - lo[t]) * (p & (BLOCK - 1))) >> BSHIFT), order.size - 1)
+            prefetch(order, guess[t])
         for t in range(w):
-            guess[t] = lo[t] + (((hi[t] - lo[t]) * (positions[j0 + t] & (BLOCK - 1))) >> BSHIFT)
-            at_guess[t] = order[min(guess[t], order.size - 1)]
+            at_guess[t] = order[guess[t]]
         for t in range(w):
             loc = positions[j0 + t] & (BLOCK - 1)
             if lo[t] == hi[t]:
@@ -217,27 +225,57 @@ def select(cls, kk, order, lfirst, sbefore, sup):
         while b + 1 < end and sbefore[c, b + 1] <= k:
             b += 1
         blk[i], at[i] = b, k - sbefore[c, b] + (b << BSHIFT)
+    lf, rows = lfirst.reshape(-1), lfirst.shape[1]
     for i in range(m):
+        if i + AHEAD < m:
+            prefetch(lf, np.int64(blk[i + AHEAD]) * rows + cls[i + AHEAD])
         at[i] += lfirst[blk[i], cls[i]]
     for i in range(m):
+        if i + AHEAD < m:
+            prefetch(order, at[i + AHEAD])
         at[i] = (blk[i] << BSHIFT) + np.int64(order[at[i]])
     return at
 
 
 @njit
-def _block_events(b, locs, c1s, c2s, order, lfirst, keys):
-    """Sort keys of a block's move events in old-order index: an arrival (inserted before that
-    index, ordered by class and local index) sorts before a departure (that entry skipped).
+def _block_events(b, locs, c1s, c2s, order, lfirst, keys, cnt):
+    """Sort keys of a block's move events into ``keys[:2k]``, generated in sorted order: an
+    arrival (inserted before an old-order index, ordered by class and local index) sorts before a
+    departure (that entry skipped).
+
+    An event's place in the block's order is fixed by its (class, local index): a departure's old
+    class, an arrival's new one.  The moves come in local-index order, so a stable counting sort of
+    the events by class (``cnt``: one counter per class and one more) yields them in key order, no
+    comparison sort; each class's events search its run from where the previous one was found.
     Returns False when a departing element is not in its old class's run."""
-    base = b << BSHIFT
-    for i in range(locs.size):
-        lo, hi = base + lfirst[b, c1s[i]], base + lfirst[b, c1s[i] + 1]
-        a = find(order, lo, hi, locs[i])
-        if a == hi or order[a] != locs[i]:
-            return False
-        ins = find(order, base + lfirst[b, c2s[i]], base + lfirst[b, c2s[i] + 1], locs[i])
-        keys[2 * i] = ((ins - base) << 22) | (c2s[i] << BSHIFT) | locs[i]
-        keys[2 * i + 1] = ((a - base) << 22) | (1 << 21)
+    base, k, E = b << BSHIFT, locs.size, cnt.size - 1
+    cnt[:] = 0
+    for i in range(k):
+        cnt[c1s[i] + 1] += 1
+        cnt[c2s[i] + 1] += 1
+    for c in range(E):
+        cnt[c + 1] += cnt[c]
+    ev = keys[2 * k : 4 * k]  # class << EV | local index << 1 | departure, in key order
+    for i in range(k):
+        ev[cnt[c1s[i]]] = (c1s[i] << EV) | (locs[i] << 1) | 1
+        cnt[c1s[i]] += 1
+        ev[cnt[c2s[i]]] = (c2s[i] << EV) | (locs[i] << 1)
+        cnt[c2s[i]] += 1
+    prev, start = -1, 0
+    for t in range(2 * k):
+        c, loc = ev[t] >> EV, (ev[t] >> 1) & (BLOCK - 1)
+        lo, hi = base + lfirst[b, c], base + lfirst[b, c + 1]
+        if c != prev:
+            prev, start = c, lo
+        i = find(order, start, hi, loc)
+        if ev[t] & 1:
+            if i == hi or order[i] != loc:
+                return False
+            keys[t] = ((i - base) << 22) | (1 << 21)
+            start = i + 1
+        else:
+            keys[t] = ((i - base) << 22) | (c << BSHIFT) | loc
+            start = i
     return True
 
 
@@ -280,7 +318,7 @@ def _shift_move(b, loc, c1, c2, order, lfirst):
 
 
 @njit
-def _move_block(b, locs, c1s, c2s, order, lfirst, keys, tmp):
+def _move_block(b, locs, c1s, c2s, order, lfirst, keys, tmp, cnt):
     """Apply the class moves of one block; False when one of them is not held as given.
 
     One or two moves shift the entries between old and new place; more rewrite the block once."""
@@ -291,19 +329,9 @@ def _move_block(b, locs, c1s, c2s, order, lfirst, keys, tmp):
                 return False
             _lfirst_move(b, c1s[i], c2s[i], lfirst)
         return True
-    if not _block_events(b, locs, c1s, c2s, order, lfirst, keys[: 2 * k]):
+    if not _block_events(b, locs, c1s, c2s, order, lfirst, keys, cnt):
         return False
-    ev = keys[: 2 * k]
-    if k > 16:
-        ev.sort()
-    else:
-        for i in range(1, 2 * k):  # insertion sort: a few events
-            x, t = ev[i], i - 1
-            while t >= 0 and ev[t] > x:
-                ev[t + 1] = ev[t]
-                t -= 1
-            ev[t + 1] = x
-    _rewrite(b, ev, order, tmp)
+    _rewrite(b, keys[: 2 * k], order, tmp)
     for i in range(k):
         _lfirst_move(b, c1s[i], c2s[i], lfirst)
     return True
@@ -320,11 +348,25 @@ def _lfirst_move(b, c1, c2, lfirst):
 
 
 @njit
-def _sbefore_move(b, c1, c2, sbefore):
+def _sbefore_moves(b, c1s, c2s, sbefore, net, touched):
+    """The later ``sbefore`` entries of block ``b``'s superblock move by each class's net change
+    over the block's moves (``net``: zero per class on entry and exit; ``touched``: scratch)."""
     end = min(((b >> SSHIFT) + 1) << SSHIFT, sbefore.shape[1])
-    for t in range(b + 1, end):
-        sbefore[c1, t] -= 1
-        sbefore[c2, t] += 1
+    if b + 1 >= end:
+        return
+    nt = 0
+    for i in range(c1s.size):
+        for c, step in ((c1s[i], -1), (c2s[i], 1)):
+            if net[c] == 0:
+                touched[nt] = c
+                nt += 1
+            net[c] += step
+    for j in range(nt):
+        c = touched[j]
+        if net[c]:
+            for t in range(b + 1, end):
+                sbefore[c, t] += net[c]
+            net[c] = 0
 
 
 @njit
@@ -349,7 +391,8 @@ def update(n, positions, old, new, shift, emask, order, lfirst, sbefore, sup):
     """
     dirty = np.zeros(sup.shape[0], np.bool_)
     locs, c1s, c2s = np.empty(BLOCK, np.int64), np.empty(BLOCK, np.int64), np.empty(BLOCK, np.int64)
-    keys, tmp = np.empty(2 * BLOCK, np.int64), np.empty(2 * BLOCK, order.dtype)
+    keys, tmp = np.empty(4 * BLOCK, np.int64), np.empty(2 * BLOCK, order.dtype)
+    cnt, net = np.zeros(sup.shape[0] + 1, np.int64), np.zeros(sup.shape[0], np.int64)
     j, moves, prev = 0, 0, -1
     while j < positions.size:
         b = positions[j] >> BSHIFT
@@ -360,10 +403,10 @@ def update(n, positions, old, new, shift, emask, order, lfirst, sbefore, sup):
             prev = positions[e]
             e += 1
         k = _block_moves(j, e, positions, old, new, shift, emask, locs, c1s, c2s)
-        if k and not _move_block(b, locs[:k], c1s[:k], c2s[:k], order, lfirst, keys, tmp):
+        if k and not _move_block(b, locs[:k], c1s[:k], c2s[:k], order, lfirst, keys, tmp, cnt):
             return j, moves
+        _sbefore_moves(b, c1s[:k], c2s[:k], sbefore, net, keys)
         for i in range(k):
-            _sbefore_move(b, c1s[i], c2s[i], sbefore)
             dirty[c1s[i]] = dirty[c2s[i]] = True
         moves += k
         j = e
