@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from nemo_dcr.layout import LayoutError, ModelDims, ParallelLayout
 
 PLACEMENTS = ("colocated", "cluster", "cross-cluster")
-"""Where the engine runs: on the trainer's GPUs (CUDA IPC / NVLink within a node), on other nodes
+"""Where the engine runs: on the trainer's GPUs (the links within a node), on other nodes
 of the same cluster (InfiniBand), or in another cluster (the cross-cluster link of each node)."""
 
 
