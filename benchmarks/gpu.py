@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nemo_dcr.apply import TensorEngine, apply_version  # noqa: E402
 from nemo_dcr.capture import BaselineStore, capture  # noqa: E402
 from nemo_dcr.codec import DcrIndexes, Identity, decode, encode_deltas  # noqa: E402
-from nemo_dcr.kernels.traffic import device_path, measure  # noqa: E402
-from nemo_dcr.types import host_bits, spec_of  # noqa: E402
+from nemo_dcr.kernels.traffic import device_path, host_bits, measure  # noqa: E402
+from nemo_dcr.types import spec_of  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -21,6 +21,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from ..types import int_view, spec_of
+
 
 @dataclass
 class HostDeviceBytes:
@@ -103,3 +105,9 @@ def to_device(a: "np.ndarray | torch.Tensor", device: torch.device) -> torch.Ten
         return host
     _count(to_device=host.numel() * host.element_size())
     return host.to(device, copy=True, non_blocking=host.is_pinned())
+
+
+def host_bits(t: torch.Tensor) -> np.ndarray:
+    """Unsigned numpy bits of a contiguous tensor on any device: a view of host memory, else one
+    counted copy of the whole tensor."""
+    return to_host(int_view(t)).numpy().view(spec_of(t.dtype).uint)

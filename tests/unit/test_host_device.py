@@ -139,3 +139,27 @@ def test_a_device_tensor_without_its_checksum_or_index_is_copied_whole_and_count
         host = decode(payload, model, base_checksums={n: tensor_checksum(b) for n, b in bits.items()})
     assert crossed.total == 0
     assert all(np.array_equal(a.new_bits, b.new_bits) for a, b in zip(decoded.deltas, host.deltas))
+
+
+def test_the_refit_report_counts_the_trainers_copies():
+    from nemo_dcr.config.schema import DcrConfig
+    from nemo_dcr.refit import DeltaRefit, colocated_wiring
+    from tests.standins.shard_trainer import ShardTrainer
+
+    shapes = {"a.weight": (48, 32), "b.weight": (64, 16)}
+    trainer = ShardTrainer(shapes, 0, 1, lr=2e-4)
+    engine = TensorEngine({n: p.detach().clone() for n, p in trainer.params.items()})
+    cfg = DcrConfig(transport="inprocess", reply_timeout_s=120, full_verify_interval=0)
+    refit = DeltaRefit(cfg, trainer, colocated_wiring(cfg, 0, None), engine)
+    try:
+        with device_path():
+            refit.attach()
+            for _ in range(2):
+                trainer.step()
+                r = refit.step()
+                assert r.committed and r.mode == "delta" and r.changed > 0
+                # capture: 4 B position + new + old bits to the host; baseline commit: 8 B position + new bits
+                assert r.host_device_bytes == {"to_host": 8 * r.changed, "to_device": 10 * r.changed}
+    finally:
+        refit.close(5)
+    assert all(_equal(engine.tensors[n], p.detach()) for n, p in trainer.params.items())
