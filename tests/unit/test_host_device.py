@@ -163,3 +163,17 @@ def test_the_refit_report_counts_the_trainers_copies():
     finally:
         refit.close(5)
     assert all(_equal(engine.tensors[n], p.detach()) for n, p in trainer.params.items())
+
+
+def test_a_view_of_many_runs_is_gathered_on_the_device_from_its_runs():
+    from nemo_dcr.apply.placement import Runs
+    from nemo_dcr.apply.shard_view import ShardView
+
+    param = _model(64 * 300)["layer0.weight"].reshape(300, 64)
+    local = (np.arange(300)[:, None] * 64 + 16 + np.arange(32)[None, :]).reshape(-1)  # a column shard: 300 runs
+    view = ShardView(param, Runs.from_pairs(np.arange(local.size), local))
+    host = view.gather()
+    with device_path(), measure() as crossed:
+        dev = view.gather()
+    assert torch.equal(host.view(torch.int16), dev.view(torch.int16))
+    assert crossed.total == 16 * 300  # the runs, not an index per element
