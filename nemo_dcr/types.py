@@ -121,11 +121,6 @@ def bits_view(t: torch.Tensor) -> np.ndarray:
     return t.view(CARRIER_TORCH[spec.width]).reshape(-1).numpy().view(spec.uint)
 
 
-def host_bits(t: torch.Tensor) -> np.ndarray:
-    """Unsigned numpy bits of a contiguous tensor on any device (a copy unless on the CPU)."""
-    return int_view(t).cpu().numpy().view(spec_of(t.dtype).uint)
-
-
 def carrier(bits: np.ndarray) -> torch.Tensor:
     """A torch integer tensor holding the same bits as unsigned numpy ``bits`` (shares memory)."""
     arr = np.ascontiguousarray(bits)

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from nemo_dcr.codec import DcrIndexes
-from nemo_dcr.types import host_bits, int_view, spec_of
+from nemo_dcr.kernels.traffic import host_bits
+from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.sample import Sample
 
 from .contract import EngineChecksums, Parts, shard_parts, tensor_digests

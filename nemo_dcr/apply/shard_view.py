@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nemo_dcr.kernels.traffic import on_host, to_device
 from nemo_dcr.types import int_view
 
 from .placement import Runs
@@ -48,7 +49,7 @@ class ShardView:
 
     def locate(self, view_positions: np.ndarray) -> torch.Tensor:
         """Param-local flat indices of view positions, on the param's device."""
-        return torch.from_numpy(self.runs.view_to_local(view_positions)).to(self.param.device)
+        return to_device(np.ascontiguousarray(self.runs.view_to_local(view_positions), np.int64), self.param.device)
 
     def gather(self) -> torch.Tensor:
         """The held elements in view order (shape ``(n,)``, param dtype), for reading only: a view
@@ -60,4 +61,10 @@ class ShardView:
             if len(parts) == 1:
                 return parts[0]
             return torch.cat(parts) if parts else flat[:0].clone()
-        return flat[torch.from_numpy(r.expand()[1]).to(flat.device)]
+        if on_host(flat):
+            return flat[torch.from_numpy(r.expand()[1])]
+        # on a device the index is expanded there from the runs: 16 B per run cross, not 8 B per element
+        shift = to_device(np.ascontiguousarray(r.local - r.view_start, np.int64), flat.device)
+        length = to_device(np.ascontiguousarray(r.length, np.int64), flat.device)
+        index = torch.arange(r.numel, device=flat.device) + torch.repeat_interleave(shift, length, output_size=r.numel)
+        return flat[index]

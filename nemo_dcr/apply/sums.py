@@ -21,7 +21,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from nemo_dcr.types import SparseDelta, host_bits
+from nemo_dcr.kernels.traffic import host_bits
+from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import checksums_after, hash_sum, tensor_checksum
 from nemo_dcr.verify.sample import Sample, runs_checksum, whole_checksum
 

@@ -26,7 +26,7 @@ prepare-then-commit on one rank.
 from __future__ import annotations
 
 from collections import ChainMap
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
@@ -35,6 +35,7 @@ import torch
 from nemo_dcr.codec import DcrIndexes, decode, inspect
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
 from nemo_dcr.kernels import read_bits, unequal_at
+from nemo_dcr.kernels.traffic import HostDeviceBytes, device_path, measure, to_device, to_host
 from nemo_dcr.types import SparseDelta, carrier, int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
 
@@ -84,7 +85,7 @@ def _target(t: Live, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]
     if isinstance(t, ShardView):
         return t.flat(), t.locate(positions)
     view = int_view(t)
-    return view, torch.from_numpy(np.ascontiguousarray(positions)).to(view.device)
+    return view, to_device(np.ascontiguousarray(positions, np.int64), view.device)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class ApplyResult:
         resync: the transaction was a full resync.
         undo_bytes: old bits the undo log held in memory (at most its bound).
         undo_spilled_bytes: old bits the undo log spilled to its temporary file.
+        host_device: bytes this transaction copied between the host and the tensors' device
+            (decode, writes, read-back; :mod:`nemo_dcr.kernels.traffic`), counted on any device.
         deltas: the changes written (record index space; old and new bits), for callers that keep
             further sums (a routed engine's canonical checksums); empty for a resync.
     """
@@ -111,6 +114,7 @@ class ApplyResult:
     undo_bytes: int = 0
     deltas: tuple[SparseDelta, ...] = ()
     undo_spilled_bytes: int = 0
+    host_device: HostDeviceBytes = field(default_factory=HostDeviceBytes)
 
 
 def _check_versions(headers, version: int, resync: bool) -> int:
@@ -203,6 +207,12 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
             raises: refused, nothing written.
         ApplyVerificationError, or whatever ``fault`` raises: rolled back exactly.
     """
+    with measure() as crossed:
+        prepared = _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo, check)
+    return replace(prepared, result=replace(prepared.result, host_device=crossed))
+
+
+def _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo, check) -> Prepared:
     decoded = [decode(p, Bases(tensors), key, checksums, indexes) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=False)
     records = {r.name: r for d in decoded for r in d.header.records}
@@ -289,8 +299,15 @@ def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], 
                    key: bytes | None = None, fault: FaultHook | None = None,
                    undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None) -> Prepared:
     """A full resync written and verified, not committed (see :func:`resync_parts`)."""
+    with measure() as crossed:
+        prepared = _prepare_resync(tensors, parts, version, key, fault, undo, check)
+    return replace(prepared, result=replace(prepared.result, host_device=crossed))
+
+
+def _prepare_resync(tensors, parts, version, key, fault, undo, check) -> Prepared:
     zeros = _zero_base(tensors, parts, key)
-    decoded = [decode(p, zeros, key) for p in parts]
+    with device_path(False):  # the zeros are host memory
+        decoded = [decode(p, zeros, key) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=True)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]
@@ -309,7 +326,7 @@ def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], 
             if fault is not None:
                 fault(d.name)
             now = Bases(tensors)[d.name]
-            got = tensor_checksum(int_view(now).cpu().numpy().view(spec_of(now.dtype).uint))
+            got = tensor_checksum(to_host(int_view(now)).numpy().view(spec_of(now.dtype).uint))
             if got != int(records[d.name].target_checksum, 16):
                 raise ApplyVerificationError(f"{d.name}: checksum after resync {got:016x}, "
                                              f"payload target {records[d.name].target_checksum}")
@@ -323,7 +340,7 @@ def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], 
 def _overwrite(undo: UndoLog, t: Live, full: torch.Tensor) -> None:
     """Replace every element of ``t`` by ``full`` (flat bits), saving the old ones."""
     if isinstance(t, ShardView):
-        undo.scatter(t.flat(), t.locate(np.arange(t.runs.numel)), full.to(t.param.device))
+        undo.scatter(t.flat(), t.locate(np.arange(t.runs.numel)), full.numpy())
     else:
         view = int_view(t)
-        undo.overwrite(view, full.to(view.device))
+        undo.overwrite(view, to_device(full.numpy(), view.device))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.kernels import read_bits, write_bits
-from nemo_dcr.types import carrier
+from nemo_dcr.kernels.traffic import to_device, to_host
 
 UNDO_MEMORY_BYTES = 256 << 20
 """Default bound of old bits held in memory (the default ``dcr.bucket_size_mb`` of one part)."""
@@ -31,7 +31,7 @@ SPILL_PIECE = 1 << 20
 class _Entry:
     view: torch.Tensor  # integer view written
     pos: torch.Tensor | None  # flat positions written; None: the whole view
-    old: torch.Tensor | None  # old bits in memory; None: spilled
+    old: torch.Tensor | np.ndarray | None  # old bits in memory (host arrays stay on the host); None: spilled
     offset: int = 0  # byte offset of the spilled old bits
     count: int = 0
 
@@ -64,10 +64,10 @@ class UndoLog:
         """
         nbytes = pos.numel() * view.element_size()
         if self.held_bytes + nbytes <= self.limit_bytes:
-            self._entries.append(_Entry(view, pos, read_bits(view, pos) if old is None else carrier(old)))
+            self._entries.append(_Entry(view, pos, read_bits(view, pos) if old is None else np.ascontiguousarray(old)))
             self.held_bytes += nbytes
         else:
-            pieces = (read_bits(view, pos[s : s + SPILL_PIECE]) if old is None else carrier(old[s : s + SPILL_PIECE])
+            pieces = (read_bits(view, pos[s : s + SPILL_PIECE]) if old is None else old[s : s + SPILL_PIECE]
                       for s in range(0, pos.numel(), SPILL_PIECE))
             self._entries.append(self._spill(view, pos, pieces, pos.numel()))
         write_bits(view, pos, new)
@@ -89,7 +89,8 @@ class UndoLog:
             self._file = tempfile.TemporaryFile(dir=self.spill_dir, prefix="nemo_dcr_undo_")
         offset = self._file.seek(0, os.SEEK_END)
         for piece in pieces:
-            self._file.write(piece.cpu().contiguous().numpy().tobytes())
+            host = piece if isinstance(piece, np.ndarray) else to_host(piece).contiguous().numpy()
+            self._file.write(np.ascontiguousarray(host).tobytes())
         self.spilled_bytes += count * view.element_size()
         return _Entry(view, pos, None, offset, count)
 
@@ -97,7 +98,7 @@ class UndoLog:
         width = e.view.element_size()
         self._file.seek(e.offset + start * width)
         raw = np.frombuffer(self._file.read((stop - start) * width), dtype=f"<i{width}" if width > 1 else "u1")
-        return torch.from_numpy(raw.copy()).view(e.view.dtype).to(e.view.device)
+        return to_device(raw.copy(), e.view.device).view(e.view.dtype)
 
     def rollback(self) -> None:
         """Restore every saved element, newest first; then :meth:`close`."""

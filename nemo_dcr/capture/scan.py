@@ -20,6 +20,7 @@ import torch
 
 from nemo_dcr.capture.baseline import BaselineStore
 from nemo_dcr.kernels.scan import changed_positions, changes_np
+from nemo_dcr.kernels.traffic import on_host, to_device, to_host
 from nemo_dcr.types import SparseDelta, int_view, spec_of
 
 DEFAULT_CHUNK = 1 << 24
@@ -67,18 +68,18 @@ def scan_param(name: str, param: torch.Tensor, base: torch.Tensor, lo: int, hi: 
     """Compare ``param.flat[lo:hi]`` with ``base[lo:hi]`` (integer views) in chunks."""
     spec = spec_of(param.dtype)
     cur = int_view(param)
-    if cur.device.type == "cpu" and base.device.type == "cpu":
+    if on_host(cur) and on_host(base):
         return _scan_host(name, param, cur.numpy().view(spec.uint), base.numpy().view(spec.uint), lo, hi, chunk)
     pos_parts, new_parts, old_parts = [], [], []
     for start in range(lo, hi, chunk):
         stop = min(start + chunk, hi)
         c = cur[start:stop]
-        b = base[start:stop].to(c.device, non_blocking=True)
+        b = _on(base[start:stop], c.device)
         idx = changed_positions(c, b)
-        if idx.numel():
-            pos_parts.append((idx + start).cpu())
-            new_parts.append(c[idx].cpu())
-            old_parts.append(b[idx].cpu())
+        if idx.numel():  # only the changes cross to the host: positions (4 B in a chunk), new and old bits
+            pos_parts.append(to_host(idx.to(torch.int32) if stop - start <= 1 << 31 else idx).to(torch.int64) + start)
+            new_parts.append(to_host(c[idx]))
+            old_parts.append(to_host(b[idx]))
     return SparseDelta(
         name=name, dtype=spec.name, shape=tuple(param.shape),
         positions=_cat(pos_parts, np.int64),
@@ -99,6 +100,16 @@ def _scan_host(name: str, param: torch.Tensor, cur: np.ndarray, base: np.ndarray
     pos, new, old = (np.concatenate(x) for x in zip(*parts)) if len(parts) > 1 else parts[0] if parts else \
         (np.zeros(0, np.int64), np.zeros(0, cur.dtype), np.zeros(0, cur.dtype))
     return SparseDelta(name, spec_of(param.dtype).name, tuple(param.shape), pos, new, old)
+
+
+def _on(base: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A baseline chunk on the param's device: a host baseline (``pinned``, ``file``) crosses whole
+    (counted); the GPU path keeps the baseline on the device (``dcr.baseline: device``)."""
+    if base.device == device:
+        return base
+    if base.device.type == "cpu":
+        return to_device(base, device)
+    return base.to(device)
 
 
 def _cat(parts: list[torch.Tensor], dtype) -> np.ndarray:

@@ -15,10 +15,12 @@ import numpy as np
 import torch
 
 from ..kernels import read_bits, write_bits
+from ..kernels.traffic import on_host, to_host
 from ..types import DeltaInputError, SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
 from .auth import MIN_KEY_BYTES
 from .dcr import DcrIndexes
+from .device_base import DeviceBase
 from .errors import (
     AuthenticationError,
     BaseChecksumMismatchError,
@@ -80,7 +82,8 @@ def _check_key(key: bytes | None) -> None:
 
 
 def _flat_bits(t: torch.Tensor) -> np.ndarray:
-    return bits_view(t.detach().cpu().contiguous())
+    """Host bits of the whole tensor: a view of host memory, else one (counted) copy."""
+    return bits_view(to_host(t.detach()).contiguous())
 
 
 def _base_of(base: Mapping[str, np.ndarray], d: SparseDelta) -> np.ndarray:
@@ -215,7 +218,8 @@ def _count_equal(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 20) -> int:
     return sum(int(np.count_nonzero(a[s : s + chunk] == b[s : s + chunk])) for s in range(0, a.size, chunk))
 
 
-def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: Mapping[str, int] | None):
+def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor]) -> tuple:
+    """The receiver's tensor of record ``r`` and its dtype facts (rules 9-10)."""
     if r.name not in base:
         raise MissingTensorError(f"receiver has no such tensor (it has {len(base)} tensors)", r.name)
     t = base[r.name]
@@ -227,12 +231,18 @@ def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor], checksums: M
         raise DtypeMismatchError(f"payload dtype {r.dtype}, receiver holds {spec.name}", r.name)
     if tuple(t.shape) != r.shape:
         raise ShapeMismatchError(f"payload shape {list(r.shape)}, receiver holds {list(t.shape)}", r.name)
-    bits = _flat_bits(t)
-    have = (checksums or {}).get(r.name)
-    have = tensor_checksum(bits) if have is None else have
-    if have != int(r.base_checksum, 16):
-        raise BaseChecksumMismatchError(f"receiver checksum {_hex(have)}, payload base {r.base_checksum}", r.name)
-    return spec, bits, have
+    return t, spec
+
+
+def _base_bits(r: RecordInfo, t: torch.Tensor, spec, have: int | None, kept) -> "np.ndarray | DeviceBase":
+    """What record ``r`` decodes against: a device tensor whose checksum ``have`` is known is read
+    only at the changed positions (:class:`DeviceBase`) when the record needs no more (``same``,
+    ``reference``, or ``dcr`` with the ``kept`` current class index); otherwise the whole tensor's
+    host bits (a view of host memory, or one counted copy from a device)."""
+    if not on_host(t) and have is not None and (r.encoding in ("same", "reference") or
+                                                (r.encoding == "dcr" and kept is not None)):
+        return DeviceBase(t, spec)
+    return _flat_bits(t)
 
 
 def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
@@ -241,13 +251,21 @@ def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
 
     ``indexes``: kept ``dcr`` class indexes of the receiver's tensors (built on first use,
     rebuilt when stale); the owner updates them after a committed apply
-    (:meth:`DcrIndexes.update`) and never after a rolled-back one.
+    (:meth:`DcrIndexes.update`) and never after a rolled-back one.  A device tensor with a known
+    checksum is read only where the record changes it, when the record allows (:func:`_base_bits`).
     """
     header, bodies = _split(payload, key, base)
     deltas = []
     for r, body in zip(header.records, bodies):
-        spec, bits, have = _check_against(r, base, base_checksums)
-        index = indexes.get(r.name, bits, spec, have) if indexes is not None and r.encoding == "dcr" else None
+        t, spec = _check_against(r, base)
+        have = (base_checksums or {}).get(r.name)
+        kept = indexes.kept(r.name, t.numel(), spec, have) if indexes is not None and have is not None else None
+        bits = _base_bits(r, t, spec, have, kept)
+        have = tensor_checksum(bits) if have is None else have
+        if have != int(r.base_checksum, 16):
+            raise BaseChecksumMismatchError(f"receiver checksum {_hex(have)}, payload base {r.base_checksum}", r.name)
+        index = None if r.encoding != "dcr" or indexes is None else \
+            kept if isinstance(bits, DeviceBase) else indexes.get(r.name, bits, spec, have)
         pos, new, old = decode_record(r, body, bits, spec, index)
         noops = _count_equal(old, new)
         if pos.size != r.changed or noops:

@@ -6,6 +6,7 @@ import numpy as np
 
 from ..types import DtypeSpec
 from .dcr import DcrIndex, decode_dcr, encode_dcr
+from .dcr.device_decode import decode_dcr_at
 from .errors import MalformedRecordError, UnknownEncodingError
 from .reference import decode_reference, encode_reference
 
@@ -47,9 +48,13 @@ def decode_record(info, body, base_bits: np.ndarray, spec: DtypeSpec, index: Dcr
     """Positions, new bits and old bits of one record; validates, writes nothing.
 
     ``index``: kept class index of ``base_bits`` (``dcr`` only; see :mod:`.dcr.class_index`).
+    ``base_bits``: flat host bits, or a :class:`~.device_base.DeviceBase` (read only at the changed
+    positions; a ``dcr`` record then needs ``index``).
     """
     if info.encoding == "dcr":
-        return decode_dcr(body, base_bits, spec, info.name, index, with_old=True)
+        if isinstance(base_bits, np.ndarray):
+            return decode_dcr(body, base_bits, spec, info.name, index, with_old=True)
+        return decode_dcr_at(body, base_bits.size, base_bits.__getitem__, spec, info.name, index)
     pos, new = _decode_other(info, body, base_bits, spec)
     return pos, new, base_bits[pos]
 

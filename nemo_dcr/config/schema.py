@@ -19,9 +19,12 @@ from dataclasses import dataclass, field, fields
 ENCODINGS = ("dcr", "reference", "raw")
 TRANSPORTS = ("inprocess", "gloo", "store")
 REFUSED_TRANSPORTS = {
-    "nccl": "deltas do not travel over NCCL (no any-source receive, device-only buffers); payloads are small "
-            "(~0.6 B per changed element), so use gloo (TCP, also on GPU clusters) or store",
-    "cuda_ipc": "there is no CUDA IPC transport; a colocated engine is reached over gloo or inprocess",
+    "nccl": "there is no NCCL transport (NCCL has no any-source receive and takes device tensors only). "
+            "Deltas are small (~0.6 B per changed element): use gloo (TCP, also on GPU clusters) or store. "
+            "A full resync is dense and travels the same way (gloo or store); a dense NCCL broadcast of "
+            "a large model is not implemented (docs/refit.md, \"GPU path\")",
+    "cuda_ipc": "there is no CUDA IPC transport: use gloo (a colocated engine in its own process) or "
+                "inprocess (one process)",
 }
 """Transport names users may know from other systems, refused by :meth:`DcrConfig.validate` with why."""
 BASELINES = ("device", "pinned", "file")

@@ -1,6 +1,6 @@
 """Numeric kernels shared by the stages (no codec imports): the capture scan and the one in-place
 write of bits; compiled numba loops on the host (:mod:`.cpu`, declared through :mod:`.jit`),
-torch ops on other devices."""
+torch ops on other devices; every host <-> device copy of the data path counted (:mod:`.traffic`)."""
 
 from .inplace import read_bits, unequal_at, write_bits
 from .scan import changed_positions, scan_changes

@@ -7,7 +7,8 @@ encoder's old bits) through :func:`read_bits`, and the transaction's read-back c
 take positions and bits as numpy arrays or torch tensors.  On the host they are compiled loops (:mod:`.cpu`) that check every position before the
 first write, reached through numpy views without any torch op per call (a call costs a few
 microseconds whatever its size: a refit makes several per tensor); on other devices
-``index_put_`` and indexing on the integer view.
+``index_put_`` and indexing on the integer view, host arrays crossing through the counted
+copies of :mod:`.traffic`.
 """
 
 from __future__ import annotations
@@ -15,18 +16,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..types import CARRIER_NP, carrier, int_view
+from ..types import CARRIER_NP, int_view
 from .cpu import gather, scatter, unequal
+from .traffic import on_host, to_device
+
+
+def _crosses(t: torch.Tensor, device) -> bool:
+    """A torch tensor that is host memory while ``device`` is not (it then goes as a host array)."""
+    return t.device.type == "cpu" and torch.device(device).type != "cpu"
 
 
 def _as_index(positions, device) -> torch.Tensor:
-    if isinstance(positions, torch.Tensor):
+    if isinstance(positions, torch.Tensor) and not _crosses(positions, device):
         return positions.to(device=device, dtype=torch.int64)
-    return torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(device)
+    if isinstance(positions, torch.Tensor):
+        positions = positions.numpy()
+    return to_device(np.ascontiguousarray(positions, dtype=np.int64), device)
 
 
 def _as_bits(bits, like: torch.Tensor) -> torch.Tensor:
-    t = bits if isinstance(bits, torch.Tensor) else carrier(np.asarray(bits))
+    if isinstance(bits, torch.Tensor) and _crosses(bits, like.device):
+        bits = bits.numpy()
+    t = bits if isinstance(bits, torch.Tensor) else to_device(np.asarray(bits), like.device)
     if t.element_size() != like.element_size():
         raise ValueError(f"bits of {t.element_size()} bytes for a {like.element_size()}-byte tensor")
     return t.to(like.device).view(like.dtype)
@@ -45,7 +56,7 @@ def _host_view(target: torch.Tensor | np.ndarray) -> np.ndarray | None:
         if not target.flags.c_contiguous:
             raise ValueError("in-place bits need a contiguous array")
         return target.reshape(-1).view(CARRIER_NP[target.itemsize])
-    if target.device.type != "cpu":
+    if not on_host(target):
         return None
     return int_view(target).numpy()
 

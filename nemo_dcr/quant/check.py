@@ -29,9 +29,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from nemo_dcr.kernels.traffic import host_bits
 from nemo_dcr.quant.delta import block_elements
 from nemo_dcr.quant.fp8 import AMAX_FLOOR, Fp8Error, Fp8Scheme, check_scale_shape, scale_inv_from_amax
-from nemo_dcr.types import SparseDelta, bits_view, host_bits
+from nemo_dcr.types import SparseDelta, bits_view
 
 E4M3_MAX_BITS = 0x7E
 """Magnitude bits of 448 in e4m3fn; ``0x7F`` is NaN."""

@@ -44,6 +44,7 @@ from nemo_dcr.capture import BaselineStore, capture
 from nemo_dcr.codec.auth import read_key_file
 from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.kernels.traffic import HostDeviceBytes, measure
 from nemo_dcr.transport import Envelope, MessageKind
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.telemetry.phases import TOTAL, TOTAL_SLOWEST_RANK, Phase, PhaseClock, total_seconds
@@ -207,6 +208,10 @@ class DeltaRefit:
         """
         if self.closed:
             raise RuntimeError("DeltaRefit.step after close()")
+        with measure() as crossed:  # this rank's host <-> device copies (an in-process engine counts its own)
+            return self._step(tamper, base_skew, crossed)
+
+    def _step(self, tamper: Tamper | None, base_skew: int, crossed: HostDeviceBytes) -> RefitReport:
         t0 = time.perf_counter()
         self.refits += 1
         version = self.refits
@@ -231,7 +236,7 @@ class DeltaRefit:
                              times=_added(report.times, found.times))
             version = None  # the new baseline holds the live weights already
         report = replace(report, times=_added(clock.seconds, report.times))
-        return self._finish(report, version, t0)
+        return self._finish(report, version, t0, crossed)
 
     def _capture_pieces(self, version: int, clock: PhaseClock) -> list[SparseDelta]:
         with clock(Phase.CAPTURE):
@@ -239,13 +244,16 @@ class DeltaRefit:
         with clock(Phase.REMAP):
             return [p for d in deltas for p in self.source.remap(d)]
 
-    def _finish(self, report: RefitReport, version: int | None, t0: float) -> RefitReport:
+    def _finish(self, report: RefitReport, version: int | None, t0: float,
+                crossed: HostDeviceBytes | None = None) -> RefitReport:
         times = dict(report.times)
         with PhaseClock(times)(Phase.COMMIT):
             if report.committed and version is not None:
                 self.store.commit(version)
         times[TOTAL] = total_seconds(time.perf_counter() - t0, times)
-        return self._totals(replace(report, times=times))
+        crossed = crossed or HostDeviceBytes()
+        return self._totals(replace(report, times=times, host_device_bytes={
+            "to_host": crossed.to_host, "to_device": crossed.to_device}))
 
     def _totals(self, report: RefitReport) -> RefitReport:
         """Sum this refit's counts over the trainer ranks (every rank gets the same report)."""
@@ -256,6 +264,8 @@ class DeltaRefit:
         local += [report.by_layer_type.get(k, {}).get("changed", 0) for k in kinds]
         local += [report.bytes_by_encoding.get(e, 0) for e in encs]
         local += [report.engine_format.get(k, 0) for k in fmt] + [report.fanout_bytes]
+        sides = sorted(report.host_device_bytes)
+        local += [report.host_device_bytes[k] for k in sides]
         hosts, links = self._host_links(report)
         summed = self.group.sum_ints(local + links)
         summed, links = summed[:len(local)], summed[len(local):]
@@ -265,12 +275,15 @@ class DeltaRefit:
             numel[layer_type(n)] += _numel(shape)
         by_kind = {k: {"changed": summed[3 + i], "numel": numel[k]} for i, k in enumerate(kinds)}
         sizes = {e: summed[3 + len(kinds) + i] for i, e in enumerate(encs)} if report.mode == "delta" else {}
-        counts = dict(zip(fmt, summed[3 + len(kinds) + len(encs):-1]))
+        at = 3 + len(kinds) + len(encs)
+        counts = dict(zip(fmt, summed[at:at + len(fmt)]))
+        fanout = summed[at + len(fmt)]
+        crossed = dict(zip(sides, summed[at + len(fmt) + 1:]))
         by_host = {h: dict(zip(HOST_LINKS, links[3 * i:3 * i + 3])) for i, h in enumerate(hosts)}
         return replace(report, changed=summed[0], payload_bytes=summed[1], numel=sum(numel.values()),
                        dense_bytes=summed[2], by_layer_type=by_kind, bytes_by_encoding=sizes, engine_format=counts,
                        route_bytes=sum(v["trainer_to_trainer"] for v in by_host.values()), bytes_by_host=by_host,
-                       fanout_bytes=summed[-1],
+                       fanout_bytes=fanout, host_device_bytes=crossed,
                        times={**report.times, TOTAL_SLOWEST_RANK: slowest})
 
     def _host_links(self, report: RefitReport) -> tuple[list[str], list[int]]:

@@ -1,7 +1,7 @@
 """The trainer ranks as a group: exchange sparse buckets, sum checksums, agree on outcomes.
 
 :class:`LocalGroup` is a single trainer process; :class:`DistGroup` runs over a
-``torch.distributed`` process group of trainer ranks (gloo or NCCL-with-CPU-tensors via gloo);
+``torch.distributed`` process group of trainer ranks (gloo: host tensors);
 :class:`TransportGroup` runs over any :class:`~nemo_dcr.transport.Transport` (``ROUTE``
 messages), for trainer processes that share no process group (NeMo-RL's policy workers).
 """

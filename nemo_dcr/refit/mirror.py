@@ -23,7 +23,8 @@ from nemo_dcr.apply.placement import Runs, view_delta
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
 from nemo_dcr.kernels import write_bits
 from nemo_dcr.kernels.scan import changes_at
-from nemo_dcr.types import DTYPES, SparseDelta, carrier, int_view
+from nemo_dcr.kernels.traffic import host_bits
+from nemo_dcr.types import DTYPES, SparseDelta, carrier
 from nemo_dcr.verify.checksum import checksum_after, checksums_after, tensor_checksum
 from nemo_dcr.verify.sample import Sample, runs_checksum
 
@@ -163,7 +164,7 @@ class SenderMirror:
         """After a resync: the engine holds ``tensors`` (owned names) at ``version``."""
         self._staged = None
         for n, t in tensors.items():
-            self.bits[n] = int_view(t).cpu().numpy().view(self.bits[n].dtype).copy()
+            self.bits[n] = host_bits(t).view(self.bits[n].dtype).copy()
             self.checksums[n] = tensor_checksum(self.bits[n])
             self._views.pop(n, None)  # recomputed from the new bits on demand
         self.indexes.keep_current({n: self.checksums[n] for n in tensors})

@@ -15,13 +15,14 @@ import torch
 
 from nemo_dcr.apply.transaction import RESYNC_BASE_VERSION
 from nemo_dcr.codec import Identity, encode_deltas
-from nemo_dcr.types import SparseDelta, int_view, spec_of
+from nemo_dcr.kernels.traffic import host_bits
+from nemo_dcr.types import SparseDelta, spec_of
 
 
 def dense_delta(name: str, t: torch.Tensor) -> SparseDelta:
     """Every nonzero element of ``t`` as a change from zero."""
     spec = spec_of(t.dtype)
-    bits = int_view(t).cpu().numpy().view(spec.uint)
+    bits = host_bits(t)
     pos = np.flatnonzero(bits).astype(np.int64)
     return SparseDelta(name, spec.name, tuple(t.shape), pos, bits[pos], np.zeros(pos.size, spec.uint))
 

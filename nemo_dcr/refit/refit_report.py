@@ -58,6 +58,9 @@ class RefitReport:
             delta, encoded, not sent) and the FP8 weights' part alone: ``bf16_weights_delta_bytes``
             (their BF16 delta) and ``fp8_weights_delta_bytes`` (their FP8 bytes and scales), each
             encoded on its own, not sent.  Empty for a BF16 engine.
+        host_device_bytes: bytes the trainer ranks copied between host and device in this refit
+            (``to_host``, ``to_device``; summed over the ranks; the capture scan's changes and the
+            baseline's commit on a GPU trainer, :mod:`nemo_dcr.kernels.traffic`); zeros for attach (not measured).
     """
 
     version: int
@@ -77,6 +80,7 @@ class RefitReport:
     verify: VerifyReport | None = None
     engine_format: dict[str, int] = field(default_factory=dict)
     bytes_by_host: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_device_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def bytes_on_links(self) -> dict[str, int]:

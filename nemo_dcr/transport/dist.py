@@ -1,4 +1,4 @@
-"""torch.distributed point-to-point transport (gloo on CPU; the same calls run on NCCL).
+"""torch.distributed point-to-point transport over gloo (host tensors; also on GPU clusters).
 
 Each envelope goes as a 2-element int64 head ``(nbytes, chunk_bytes)`` followed by
 ``ceil(nbytes / chunk_bytes)`` uint8 chunks, so neither side ever stages more than
@@ -24,6 +24,10 @@ raise on a thread the finalizing interpreter can no longer serve, and the proces
 The process group is passed as a value (``torch.distributed.ProcessGroupGloo(store, rank,
 size)`` or the default group), so a refit group of trainer and engine ranks can live next to
 the trainer's own Megatron world.
+
+It needs a gloo group: NCCL has no ``recv_anysource`` and takes device tensors only, which is why
+``dcr.transport: nccl`` is refused by config validation (deltas are small; gloo carries them on
+GPU clusters too).
 """
 
 from __future__ import annotations
@@ -51,16 +55,13 @@ class DistTransport:
         rank: this process's rank in ``pg``.
         chunk_bytes: chunk size on the wire.
         max_inflight: chunks in flight per sender before ``send`` waits for the oldest.
-        device: device of the staging tensors (``cpu`` for gloo, ``cuda`` for NCCL).
     """
 
-    def __init__(self, pg, rank: int, chunk_bytes: int = DEFAULT_CHUNK, max_inflight: int = 4,
-                 device: str = "cpu"):
+    def __init__(self, pg, rank: int, chunk_bytes: int = DEFAULT_CHUNK, max_inflight: int = 4):
         self.pg = pg
         self.rank = rank
         self.chunk_bytes = chunk_bytes
         self.max_inflight = max_inflight
-        self.device = device
         self.bytes_sent = 0
         self._inflight: deque = deque()
         self._send_lock = threading.Lock()  # sends may come from several threads (a hosted engine's server)
@@ -107,7 +108,7 @@ class DistTransport:
             self._post(torch.tensor([len(data), self.chunk_bytes], dtype=torch.int64), dst)
             for s in range(0, len(data), self.chunk_bytes):
                 chunk = torch.frombuffer(bytearray(data[s:s + self.chunk_bytes]), dtype=torch.uint8)
-                self._post(chunk.to(self.device), dst)
+                self._post(chunk, dst)
             self.bytes_sent += len(env.body)
 
     def flush(self) -> None:
@@ -143,7 +144,7 @@ class DistTransport:
                     continue
                 buf = bytearray(nbytes)
                 for s in range(0, nbytes, chunk):
-                    part = torch.empty(min(chunk, nbytes - s), dtype=torch.uint8, device=self.device)
+                    part = torch.empty(min(chunk, nbytes - s), dtype=torch.uint8)
                     self.pg.recv([part], src, _TAG).wait()
                     buf[s:s + part.numel()] = part.cpu().numpy().tobytes()
             except RuntimeError as exc:  # gloo: the peer's process died (only a receive from it says so)

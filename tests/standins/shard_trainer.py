@@ -16,7 +16,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from nemo_dcr.types import SparseDelta, host_bits
+from nemo_dcr.kernels.traffic import host_bits
+from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.compare import ShardChecksums
 from nemo_dcr.verify.sample import Sample, runs_checksum
 

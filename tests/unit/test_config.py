@@ -37,6 +37,8 @@ def test_overrides_win_and_parse_yaml_values():
     ("trainer.tp=abc", "trainer.tp", "could not be converted"),
     ("dcr.transport=store", "dcr.url", "needs a url"),
     ("dcr.transport=file", "dcr.transport", "must be one of"),
+    ("dcr.transport=nccl", "dcr.transport", "use gloo (TCP, also on GPU clusters) or store"),
+    ("dcr.transport=cuda_ipc", "dcr.transport", "no CUDA IPC transport: use gloo"),
     ("dcr.reply_timeout_s=0", "dcr.reply_timeout_s", "must be > 0"),
     ("dcr.baseline=file", "dcr.baseline_dir", "needs a folder"),
     ("dcr.verify_steps=0", "dcr.verify_steps", ">= 1"),

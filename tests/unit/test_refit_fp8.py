@@ -16,10 +16,11 @@ import torch
 from nemo_dcr import codec, quant
 from nemo_dcr.apply import InjectedFault, TensorEngine, apply_version
 from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.kernels.traffic import host_bits
 from nemo_dcr.refit import DeltaRefit, colocated_wiring
 from nemo_dcr.refit.fp8_mirror import fp8_plan
 from nemo_dcr.transport import Envelope
-from nemo_dcr.types import SparseDelta, host_bits, int_view
+from nemo_dcr.types import SparseDelta, int_view
 from nemo_dcr.verify.fp8_reference import fp8_mismatches, quantize_ref
 from tests.standins.shard_trainer import ShardTrainer
 

@@ -138,6 +138,12 @@ class DcrIndexes:
             self.builds += 1
         return ix
 
+    def kept(self, name: str, n: int, spec: DtypeSpec, checksum: int) -> DcrIndex | None:
+        """The kept index of ``name`` when it describes ``n`` elements of ``spec`` whose checksum is
+        ``checksum`` (usable without the base bits), else None."""
+        ix = self._ix.get(name)
+        return ix if ix is not None and ix.checksum == checksum and ix.n == n and ix.spec == spec else None
+
     def update(self, deltas: Iterable[SparseDelta]) -> None:
         """Apply committed deltas (``old_bits`` set) to the indexes held; unknown names are skipped.
 

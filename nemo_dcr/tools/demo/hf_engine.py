@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_dcr.types import host_bits
+from nemo_dcr.kernels.traffic import host_bits
 
 
 def build_hf_engine(hf_dir: Path, key: bytes | None, dcr):

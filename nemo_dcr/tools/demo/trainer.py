@@ -67,4 +67,4 @@ def policy_gradient_backward(model, tokens: torch.Tensor, weights: torch.Tensor,
     """
     batch = tokens.shape[0]
     return pipeline_forward_backward(model, tokens[:, :-1], tokens[:, 1:], hidden, dtype,
-                                     reduce=lambda out: (out.float() * weights).sum() / batch)
+                                     reduce=lambda out: (out.float() * weights.to(out.device)).sum() / batch)

@@ -2,8 +2,10 @@
 
 Only this folder imports megatron.  Everything here runs on CPU with gloo (megatron-core
 0.16.1 on Python 3.11): models use the local (non-Transformer-Engine) layer spec, CPU
-initialization, the allgather MoE dispatcher and SequentialMLP experts.  On a GPU the same
-functions build the same modules; only :func:`install_cpu_shim` is skipped.
+initialization, the allgather MoE dispatcher and SequentialMLP experts.  On a GPU host the same
+functions build the same modules (initialized on the CPU, the same bits), then move them to the
+current CUDA device (:func:`model_device`, set from ``LOCAL_RANK``); :func:`install_cpu_shim` is
+skipped there.  (No GPU run of this path has been made yet.)
 
 Related modules:
     :mod:`nemo_dcr.tools.megatron.convert`: HF <-> megatron dense conversion (load + export).
@@ -11,6 +13,8 @@ Related modules:
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -58,8 +62,9 @@ def init_distributed(tp: int, pp: int, ep: int = 1, etp: int | None = None,
     install_cpu_shim()
     vpp = vpp if vpp and vpp > 1 else None  # megatron: None means not interleaved
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
+        if torch.cuda.is_available():  # one GPU per rank, as torchrun numbers them on the node
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -67,6 +72,11 @@ def init_distributed(tp: int, pp: int, ep: int = 1, etp: int | None = None,
         expert_tensor_parallel_size=etp,
     )
     torch.manual_seed(seed)
+
+
+def model_device() -> torch.device:
+    """Where models and their pipeline buffers live: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def transformer_config(dims: ModelDims, dtype: torch.dtype, pp: int, vpp: int | None = None,
@@ -184,7 +194,8 @@ def build_gpt_model(dims: ModelDims, dtype: torch.dtype = torch.bfloat16,
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=dims.tie_word_embeddings, position_embedding_type="rope",
             rotary_base=int(dims.rope_theta), vp_stage=vp_stage,
-        ).to(dtype))  # like Float16Module: the torch-norm fallback allocates fp32 weights
+        ).to(device=model_device(), dtype=dtype))  # dtype like Float16Module: the torch-norm fallback
+        # allocates fp32 weights; built on the CPU (use_cpu_initialization), then on the current device
     return chunks
 
 

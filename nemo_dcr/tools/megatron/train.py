@@ -1,6 +1,7 @@
 """CPU training for megatron-core models: hand-rolled pipeline passes and an fp32-master step.
 
-Megatron's pipeline schedules and optimizers need CUDA.  On CPU (gloo) this module passes
+Megatron's pipeline schedules and optimizers need CUDA.  This module (CPU with gloo; on a GPU host
+the same code on the model's device, buffers allocated there) passes
 activations between pipeline stages with ``send``/``recv`` by hand (no virtual pipeline) and
 steps fp32 master copies with ``torch.optim.AdamW``, copying the result back into the bf16
 params: the same bits contract as Megatron's mixed-precision optimizer (bf16 param =
@@ -28,15 +29,18 @@ def _stage_io():
 def _run_stage(model, tokens: torch.Tensor, labels, hidden: int, dtype: torch.dtype):
     """Receive the input activations (unless first stage) and run this stage's forward."""
     first, _, prev, _ = _stage_io()
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    labels = None if labels is None else labels.to(device)
     inp = None
     if not first:
-        inp = torch.empty(tokens.shape[1], tokens.shape[0], hidden, dtype=dtype)
+        inp = torch.empty(tokens.shape[1], tokens.shape[0], hidden, dtype=dtype, device=device)
         dist.recv(inp, src=prev)
         inp.requires_grad_(True)
         model.set_input_tensor(inp)
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    pos = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     seq = tokens.shape[1]
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
     out = model(tokens, pos, mask, labels=labels)  # explicit mask: the default one is CUDA
     return inp, out
 
@@ -138,7 +142,7 @@ class MasterAdamW:
         """
         for lp, m in zip(self.params, self.masters):
             gen = torch.Generator().manual_seed(zlib.crc32(f"{lp.global_name}@{step}".encode()))
-            noise = torch.randn(m.shape, generator=gen)
+            noise = torch.randn(m.shape, generator=gen).to(m.device)  # the same bits on any device
             m.add_(torch.sign(noise), alpha=-lr)
         self.copy_back()
 

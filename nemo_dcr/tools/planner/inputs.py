@@ -16,7 +16,7 @@ PLACEMENTS = ("colocated", "cluster", "cross-cluster")
 FANOUTS = ("direct", "relay")
 """How a version reaches the engine replicas (``dcr.fanout``, refit/relay.py): every replica from
 the owners, or each view once to a relay root that broadcasts it to the other replicas."""
-"""Where the engine runs: on the trainer's GPUs (CUDA IPC / NVLink within a node), on other nodes
+"""Where the engine runs: on the trainer's GPUs (the links within a node), on other nodes
 of the same cluster (InfiniBand), or in another cluster (the cross-cluster link of each node)."""
 
 
