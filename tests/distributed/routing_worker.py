@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.apply import TensorEngine
-from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
+from nemo_dcr.apply.placement import assign_primary
+from nemo_dcr.apply.probe import probe_engine
 from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 
 KEY = b"routing-test-key-0123456789abcdef"
@@ -36,8 +37,7 @@ def placements() -> list[dict]:
     out = []
     for r in range(TP):
         model = StandinModel(D, TP, r)
-        calls = record_loader_calls(model, SHAPES.items(), _set_loader)
-        out.append(probe_model(model, SHAPES, calls, lambda p: p.weight_loader))
+        out.append(probe_engine(model, SHAPES, _set_loader).placement)
     return assign_primary(out)
 
 

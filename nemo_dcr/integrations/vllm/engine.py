@@ -19,6 +19,10 @@ its placement:
   prepare to commit/rollback, so no generation runs on a mix of versions.
 * **Dense reference**: :meth:`VllmEngine.load_weights` refits the same engine through the
   model's own ``load_weights`` (what a benchmark compares the sparse refit against).
+* **Engine truth**: the probe classifies every param (in place, transformed, derived,
+  rearranged, unwritten; :attr:`VllmEngine.truth`); an engine with anything that cannot be refit
+  is refused before the first sync (:class:`~nemo_dcr.apply.EngineRefusedError`, naming the param
+  and why); :meth:`VllmEngine.preflight` compares every rank with vLLM's own reload of what it holds.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import tempfile
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Sequence
 
-from nemo_dcr.apply import ApplyResult, EngineChecksums, Parts, RefitRefusedError, VersionGuard
+from nemo_dcr.apply import ApplyResult, EngineChecksums, EngineRefusedError, Parts, RefitRefusedError, VersionGuard
 from nemo_dcr.apply.contract import shard_parts
 from nemo_dcr.apply.guard import PendingSlot
 from nemo_dcr.apply.placement import assign_primary, check_coverage, placement_from_json, placement_to_json
@@ -66,6 +70,14 @@ def canonical_shapes(model_dir: str) -> dict[str, list[int]]:
     return {n: list(shape) for n, (_, shape) in list_tensors(model_dir).items()}
 
 
+def canonical_dtypes(model_dir: str) -> dict[str, str]:
+    """Canonical tensor dtypes (torch names, ``"bfloat16"``) of the checkpoint in ``model_dir``."""
+    from nemo_dcr.checkpoint import DTYPE_NAMES, list_tensors
+
+    names = {st: str(t).removeprefix("torch.") for t, st in DTYPE_NAMES.items()}
+    return {n: names[dtype] for n, (dtype, _) in list_tensors(model_dir).items()}
+
+
 class VllmEngine:
     """All TP ranks of one ``vllm.LLM`` as a refit engine (build it with :meth:`start`).
 
@@ -75,18 +87,29 @@ class VllmEngine:
         key: HMAC key every payload must carry.
         version: the version the loaded weights are.
         keep_index: every rank keeps ``dcr`` class indexes (``dcr.engine_index``).
+        dtypes: canonical tensor name -> torch dtype name (default ``bfloat16``).
+
+    Raises:
+        EngineRefusedError: some param, tensor or engine feature cannot be refit (names each, with
+            why); nothing was sent.
     """
 
     def __init__(self, llm, shapes: Mapping[str, Sequence[int]], key: bytes | None = None, version: int = 0,
-                 keep_index: bool = True):
+                 keep_index: bool = True, dtypes: Mapping[str, str] | None = None):
         self.llm = llm
         self.tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         if llm.llm_engine.vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("VllmEngine supports tensor parallelism only (pipeline_parallel_size must be 1)")
         self.shapes = {n: list(s) for n, s in shapes.items()}
-        self.probed = llm.collective_rpc("dcr_probe", args=(self.shapes,))
+        self.probed = llm.collective_rpc("dcr_probe", args=(self.shapes, dict(dtypes or {})))
+        refused = {f"rank {r}: {what}" if self.tp > 1 else what: why
+                   for r, p in enumerate(self.probed) for what, why in p["refused"].items()}
+        if refused:
+            raise EngineRefusedError(refused, f"vLLM engine ({type(self).__name__} of {self.tp} TP ranks)")
+        self.skipped = dict(set.intersection(*[set(p["skipped"].items()) for p in self.probed]))
+        """Canonical tensors no rank loads (named by the probe: the engine's loader skips them)."""
         ranks = assign_primary([placement_from_json(p["placement"]) for p in self.probed])
-        check_coverage(ranks, self.shapes)
+        check_coverage(ranks, self.shapes, self.skipped)
         self._placements = [placement_to_json(r) for r in ranks]
         llm.collective_rpc("dcr_attach", args=(self._placements, key, version, keep_index))
         self.guard = VersionGuard(version)
@@ -118,7 +141,12 @@ class VllmEngine:
         kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
         llm = vllm.LLM(model=model, tensor_parallel_size=tensor_parallel_size,
                        worker_extension_cls=WORKER_EXTENSION, **kwargs)
-        return cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index)
+        try:
+            return cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index,
+                       canonical_dtypes(model) if shapes is None else None)
+        except BaseException:
+            llm.llm_engine.engine_core.shutdown()
+            raise
 
     def close(self) -> None:
         """Shut the engine down (its worker processes exit)."""
@@ -139,6 +167,22 @@ class VllmEngine:
         """Each TP rank's placement, one shard each (JSON form of :mod:`nemo_dcr.apply.placement`,
         primary holders assigned): what the engine reports to the refit path's placement query."""
         return [dict(p) for p in self._placements]
+
+    @property
+    def truth(self) -> list[dict[str, dict]]:
+        """Per TP rank, every engine param and buffer -> ``kind`` (in_place, transformed, derived,
+        rearranged, unwritten), ``sources``, ``how`` (see :mod:`nemo_dcr.apply.probe`)."""
+        return [p["params"] for p in self.probed]
+
+    def preflight(self) -> list[str]:
+        """Every rank's params, buffers and tensor attributes against vLLM's own in-place reload of
+        the canonical tensors it holds; returns the differences (``"rank R: ..."``), empty when
+        bit-identical.  The reload writes what a dense load would, so a difference means the refit
+        did not leave the engine as its own load of the same weights would (docs/engines.md)."""
+        self._pending.refuse("a preflight")
+        with self.guard.write():
+            per_rank = self.llm.collective_rpc("dcr_preflight")
+        return [f"rank {r}: {line}" for r, lines in enumerate(per_rank) for line in lines]
 
     def routes(self) -> dict[int, dict]:
         """TP rank -> placement objects."""
