@@ -163,23 +163,27 @@ Fills = dict
 def fills_outside_views(fills: Fills, placement: RankPlacement) -> Fills:
     """The constants of ``fills`` at positions no canonical element of ``placement`` lands on (a
     loader that clears a whole fused param before writing its slot must not clear the other slots
-    after a resync); cost ∝ constants and runs, never a pass over the params."""
+    after a resync); cost ∝ constants and runs, never a pass over the params (a param with
+    strided runs, a transpose, costs a pass over its held elements)."""
     out: Fills = {}
     for param, entries in fills.items():
         runs = [tp.runs for tp in placement.values() if tp.param == param]
-        starts = np.concatenate([r.local for r in runs]) if runs else np.zeros(0, np.int64)
-        ends = starts + (np.concatenate([r.length for r in runs]) if runs else 0)
-        order = np.argsort(starts, kind="stable")
-        starts, ends = starts[order], ends[order]
-        kept = []
-        for pos, values in entries:
-            at = np.searchsorted(starts, pos, side="right") - 1
-            inside = (at >= 0) & (pos < ends[np.maximum(at, 0)]) if starts.size else np.zeros(pos.size, bool)
-            if (~inside).any():
-                kept.append((pos[~inside], values[~inside]))
+        kept = [(pos[~m], values[~m]) for pos, values in entries for m in [_held(runs, pos)] if (~m).any()]
         if kept:
             out[param] = kept
     return out
+
+
+def _held(runs: Sequence[Runs], pos: np.ndarray) -> np.ndarray:
+    """Which local positions ``pos`` some run of ``runs`` lands on."""
+    if any(np.any(r.step != 1) for r in runs):
+        return np.isin(pos, np.concatenate([r.expand()[1] for r in runs]))
+    starts = np.concatenate([r.local for r in runs]) if runs else np.zeros(0, np.int64)
+    ends = starts + (np.concatenate([r.length for r in runs]) if runs else 0)
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    at = np.searchsorted(starts, pos, side="right") - 1
+    return (at >= 0) & (pos < ends[np.maximum(at, 0)]) if starts.size else np.zeros(pos.size, bool)
 
 
 def view_delta(delta: SparseDelta, runs: Runs) -> SparseDelta:

@@ -350,16 +350,18 @@ def probe_engine(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
         device: where probe buffers live (default: each param's device; ``"cpu"`` keeps them off
             a GPU whose memory the engine has reserved).
 
-    Raises:
-        ValueError: ``load_weights`` failed on a canonical tensor (named).
+    A canonical tensor ``load_weights`` fails on (a param replaced after load) is refused, named
+    in :attr:`Probe.refusals` with the error.
     """
     t0 = time.perf_counter()
     dtypes = dict(dtypes or {})
-    writes = record_writes(model, shapes, set_loader, dtypes)
+    refusals: dict[str, str] = {}
+    writes = record_writes(model, shapes, set_loader, dtypes, refusals)
     t_record = time.perf_counter() - t0
-    skipped = {n: "the engine's load_weights loads nothing of it" for n, w in writes.items() if not w.params}
-    refusals = {n: f"load_weights writes buffers directly: {[p for p in w.direct if p.startswith('buffer:')]}"
-                for n, w in writes.items() if any(p.startswith("buffer:") for p in w.direct)}
+    skipped = {n: "the engine's load_weights loads nothing of it" for n, w in writes.items()
+               if not w.params and n not in refusals}
+    refusals.update({n: f"load_weights writes buffers directly: {[p for p in w.direct if p.startswith('buffer:')]}"
+                     for n, w in writes.items() if any(p.startswith("buffer:") for p in w.direct)})
     protected = Protected(live_tensors(model))
     result = _Assembly(model, shapes)
     calls, peak, nparams = 0, 0, 0

@@ -108,7 +108,8 @@ def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def record_writes(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
                   set_loader: Callable[[torch.nn.Parameter, Callable], Callable],
-                  dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, Writes]:
+                  dtypes: Mapping[str, torch.dtype] | None = None,
+                  failed: dict[str, str] | None = None) -> dict[str, Writes]:
     """Run ``model.load_weights`` on a zero tensor per canonical name, loaders replaced by recorders,
     under a :class:`WriteGuard`: nothing is written, every write is recorded.
 
@@ -117,6 +118,8 @@ def record_writes(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
         shapes: canonical name -> shape.
         set_loader: installs a loader on a param and returns the previous one.
         dtypes: canonical name -> dtype of the zero tensor (default bf16).
+        failed: if given, collects ``name -> error`` for the names ``load_weights`` fails on
+            (a param replaced after load, e.g. by a quantized kernel); else the first one raises.
 
     Raises:
         ValueError: ``load_weights`` failed on a canonical name (named, with the error).
@@ -141,8 +144,10 @@ def record_writes(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
                 try:
                     model.load_weights([(name, zeros)])
                 except Exception as exc:
-                    raise ValueError(f"{name}: the engine's load_weights failed on it: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                    why = f"the engine's load_weights fails on it: {type(exc).__name__}: {str(exc)[:300]}"
+                    if failed is None:
+                        raise ValueError(f"{name}: {why}") from exc
+                    failed[name] = why
     finally:
         for p, param in params.items():
             set_loader(param, saved[p])

@@ -38,6 +38,9 @@ class Ask(str, Enum):
     check independent of the checksums)."""
     PLACEMENT = "placement"
     """The engine's placement per shard (empty: it holds canonical tensors whole)."""
+    PREFLIGHT = "preflight"
+    """Compare everything the engine holds with its own dense load of the same weights; the reply
+    is ``ok`` when they are bit-identical, else names the differences (``reason``)."""
 
 
 def _object(data: bytes, what: str, keys: tuple[str, ...]) -> dict:

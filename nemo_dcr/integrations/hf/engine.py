@@ -119,6 +119,10 @@ class HFEngine:
         """Hold the current version for one generation (a context manager yielding it)."""
         return self.engine.serving()
 
+    def preflight(self) -> list[str]:
+        """None: the parameters are the canonical tensors (a load of them is themselves)."""
+        return self.engine.preflight()
+
     def checksums(self, full: bool = False) -> EngineChecksums:
         """Per-tensor checksums (incremental, or a full scan)."""
         return self.engine.checksums(full)

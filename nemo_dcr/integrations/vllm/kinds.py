@@ -19,8 +19,9 @@ what happens *after* it, in vLLM's post-load processing, and refines each param'
   once on the restored ones (which must reproduce the tensors bit for bit, else the module is
   refused); a refit re-runs the step for the layers whose inputs it touched;
 * **engine features** that move weights behind the placement: EPLB (experts move between ranks
-  at run time) and speculative decoding (the drafter's weights are loaded by another model) are
-  refused.
+  at run time) and speculative decoding with a drafter (MTP layers, Eagle heads: loaded by a
+  model of their own, which the main model's ``load_weights`` skips without a log line) are
+  refused; n-gram speculation has no weights and is fine.
 """
 
 from __future__ import annotations
@@ -105,11 +106,12 @@ def check_backends(model: torch.nn.Module, probe: Probe, packed: set[str]) -> No
         qm = getattr(module, "quant_method", None)
         if qm is None:
             continue
-        mine = [p for p in _names(model, module, recurse=False) if p in probe.params and probe.params[p].sources]
-        if not mine:
-            continue
         cls = type(qm).__name__
-        if cls in IN_PLACE_METHODS:
+        mine = [p for p in _names(model, module, recurse=False) if p in probe.params and probe.params[p].sources]
+        if cls in IN_PLACE_METHODS or cls.endswith("KVCacheMethod"):
+            continue
+        if not mine and cls != "UnquantizedFusedMoEMethod":  # e.g. a quantized layer load_weights cannot reach
+            probe.refusals.setdefault(prefix, f"quantized by {cls}: only unquantized weights are refit in place")
             continue
         if cls == "UnquantizedFusedMoEMethod":
             backend = getattr(getattr(qm, "unquantized_backend", None), "name", "?")
@@ -191,9 +193,10 @@ def check_engine_features(vllm_config) -> dict[str, str]:
     if getattr(vllm_config.parallel_config, "enable_eplb", False):
         out["parallel_config.enable_eplb"] = ("EPLB moves experts between ranks at run time, after the placement "
                                               "was probed")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        out["speculative_config"] = ("speculative decoding: the drafter's weights are loaded by a model of its own "
-                                     "that refits do not reach")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and getattr(spec, "draft_model_config", None) is not None:
+        out["speculative_config"] = (f"speculative decoding with a drafter ({spec.method}): its weights (MTP "
+                                     "layers, an Eagle head) are loaded by a model of its own that refits do not reach")
     return out
 
 
