@@ -90,13 +90,13 @@ def mark_views(model: torch.nn.Module, probe: Probe) -> None:
             probe.params[name] = ParamTruth(name, Kind.UNWRITTEN, (), "not written by a refit")
 
 
-def _names(model: torch.nn.Module, module: torch.nn.Module, recurse: bool = True) -> list[str]:
-    """Model-level names of ``module``'s params and buffers (a tensor two modules share, e.g. an
+def _names(model: torch.nn.Module, module: torch.nn.Module, recurse: bool = True, buffers: bool = True) -> list[str]:
+    """Model-level names of ``module``'s params (and buffers) (a tensor two modules share, e.g. an
     expert bias, has the name ``named_parameters`` keeps)."""
     kept = {id(p): n for n, p in model.named_parameters()}
     kept.update({id(b): f"buffer:{n}" for n, b in model.named_buffers()})
     tensors = [p for _, p in module.named_parameters(recurse=recurse)]
-    tensors += [b for _, b in module.named_buffers(recurse=recurse)]
+    tensors += [b for _, b in module.named_buffers(recurse=recurse)] if buffers else []
     return list(dict.fromkeys(kept[id(t)] for t in tensors if id(t) in kept))
 
 
@@ -107,7 +107,7 @@ def check_backends(model: torch.nn.Module, probe: Probe, packed: set[str]) -> No
         if qm is None:
             continue
         cls = type(qm).__name__
-        mine = [p for p in _names(model, module, recurse=False) if p in probe.params and probe.params[p].sources]
+        mine = [p for p in _names(model, module, False, False) if p in probe.params and probe.params[p].sources]
         if cls in IN_PLACE_METHODS or cls.endswith("KVCacheMethod"):
             continue
         if not mine and cls != "UnquantizedFusedMoEMethod":  # e.g. a quantized layer load_weights cannot reach

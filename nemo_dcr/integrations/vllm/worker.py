@@ -102,8 +102,15 @@ def post_load_steps(model: torch.nn.Module, vllm_config) -> dict:
 
 
 def probe_vllm(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, torch.dtype],
-               vllm_config=None, device: str | None = None) -> tuple[Probe, list, dict[str, str]]:
+               vllm_config=None, device: str | None = None, steps: Mapping | None = None
+               ) -> tuple[Probe, list, dict[str, str]]:
     """Probe a vLLM model's loaders and classify every param (:mod:`nemo_dcr.apply.probe`, :mod:`.kinds`).
+
+    Args:
+        model, shapes, dtypes: the model and the canonical tensors' shapes and dtypes.
+        vllm_config: the engine's config (None: a stand-in without one).
+        device: where probe buffers live (default: each param's device).
+        steps: the post-load steps (default: :func:`post_load_steps`).
 
     Returns:
         ``(probe, derived groups, refused)``: the probe (kinds refined), the layers whose
@@ -112,7 +119,7 @@ def probe_vllm(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]], dtyp
     probe = probe_engine(model, shapes, set_loader, dtypes, device)
     kinds.mark_views(model, probe)
     kinds.check_backends(model, probe, set(cpu.PackedExperts.find(model)))
-    derived = kinds.find_derived(model, probe, post_load_steps(model, vllm_config))
+    derived = kinds.find_derived(model, probe, post_load_steps(model, vllm_config) if steps is None else steps)
     refused = kinds.refusals(probe)
     if vllm_config is not None:
         refused.update(kinds.check_engine_features(vllm_config))
@@ -150,7 +157,8 @@ class DcrWorkerExtension:
         """
         model = self._dcr_model()
         torch_dtypes = {n: getattr(torch, d) for n, d in (dtypes or {}).items()}
-        probe, self.dcr_derived, refused = probe_vllm(model, shapes, torch_dtypes, getattr(self, "vllm_config", None))
+        probe, self.dcr_derived, refused = probe_vllm(model, shapes, torch_dtypes, getattr(self, "vllm_config", None),
+                                                      steps=self._dcr_steps())
         self.dcr_fills, self.dcr_reload, self.dcr_dtypes = probe.fills, probe.reload, torch_dtypes
         params = {n: dict(kind=t.kind.value, sources=list(t.sources), how=t.how, refused=t.refused)
                   for n, t in probe.params.items()}
