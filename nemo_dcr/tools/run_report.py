@@ -209,12 +209,35 @@ def _finish(plt, fig, ax, beside: bool = False):
     return fig
 
 
-PLOTS = {"density.png": plot_density, "bytes.png": plot_bytes, "times.png": plot_times}
+def plot_reward(plt, steps: list[dict]):
+    """The reward curve: the exact-answer reward per step, its running mean, and the reward with the
+    named partial credit that shapes the advantages (when recorded); returns the figure, or None
+    when no step recorded a reward (the NeMo-RL plugin's rows)."""
+    if all(s.get("reward") is None for s in steps):
+        return None
+    nan = float("nan")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = [s["step"] for s in steps]
+    exact = [nan if s.get("reward") is None else s["reward"] for s in steps]
+    ax.plot(x, exact, "o-", color="tab:blue", alpha=0.5, label="exact-answer reward")
+    known = [(i, r) for i, r in zip(x, exact) if r == r]
+    if known:
+        run = [sum(r for _, r in known[: j + 1][-3:]) / len(known[: j + 1][-3:]) for j in range(len(known))]
+        ax.plot([i for i, _ in known], run, "-", color="tab:blue", lw=2.5, label="running mean (3 steps)")
+    if any(s.get("shaped_reward") is not None for s in steps):
+        ax.plot(x, [nan if s.get("shaped_reward") is None else s["shaped_reward"] for s in steps], "s--", color="tab:orange", ms=4,
+                label="with partial credit (shapes the advantages)")
+    ax.set(xlabel="step", ylabel="mean reward of the step's rollouts", title="GRPO reward per step")
+    ax.grid(True, alpha=0.3)
+    return _finish(plt, fig, ax)
+
+
+PLOTS = {"reward.png": plot_reward, "density.png": plot_density, "bytes.png": plot_bytes, "times.png": plot_times}
 """File name -> the function drawing it."""
 
 
 def write_plots(steps: list[dict], out: str | os.PathLike) -> list[Path]:
-    """Write the :data:`PLOTS` as PNG files into ``out``; returns their paths."""
+    """Write the :data:`PLOTS` (those with something to draw) as PNG files into ``out``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,6 +248,8 @@ def write_plots(steps: list[dict], out: str | os.PathLike) -> list[Path]:
     paths = []
     for name, plot in PLOTS.items():
         fig = plot(plt, steps)
+        if fig is None:
+            continue
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         paths.append(out / name)

@@ -1,6 +1,8 @@
 """``nemo-dcr demo`` end to end: GRPO on SmolLM2-135M (megatron TP3/PP2, 6 gloo ranks), one delta
-refit per step checked bitwise against an independent dense export: the main job's real vLLM engine
-in a process of its own, and the lighter transformers engine colocated with trainer rank 0."""
+refit per step, then the efficient dense refit of the same weights (timed), which checks that the
+engine held bit for bit what its own full load gives it: the main job's real vLLM engine in a process
+of its own, and the lighter transformers engine colocated with trainer rank 0.  Small task settings
+keep the steps short (the default run's task is larger so that the reward visibly rises)."""
 
 from __future__ import annotations
 
@@ -26,10 +28,15 @@ def _demo(tmp_path, steps: int, *overrides: str) -> dict:
     summary = tmp_path / "run" / "summary.json"  # the default place: run.run_dir/summary.json
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, "-m", "nemo_dcr.tools.cli", "demo", "--steps", str(steps), "--run-dir", str(tmp_path / "run"), *overrides],
+        [sys.executable, "-m", "nemo_dcr.tools.cli", "demo", "--steps", str(steps), "--run-dir", str(tmp_path / "run"),
+         "task.prompts_per_step=2", "task.group_size=4", *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("[grpo] step ") == steps
+    run = tmp_path / "run"
+    log = (run / "job.log").read_text() if (run / "job.log").is_file() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-3000:]
+    out = proc.stdout.splitlines()
+    assert sum(f" step {i}/{steps} " in line for line in out for i in range(1, steps + 1)) == steps
+    assert len(out) < 40 and "results:" in out and not any("WARNING" in line for line in out), proc.stdout
     s = json.loads(summary.read_text())
     assert s["steps"] == steps and s["trainer_layout"] == {"tp": 3, "pp": 2, "ep": 1, "dp": 1}
     assert s["bit_exact_steps"] == steps and s["modes"] == ["delta"] * steps
@@ -39,7 +46,10 @@ def _demo(tmp_path, steps: int, *overrides: str) -> dict:
         assert s[key] is not None
     lines = (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines()
     assert len(lines) == steps and json.loads(lines[0])["bit_exact"] is True
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml", "summary.json", "telemetry.jsonl"]
+    assert s["dense_method"] and s["refit_seconds_dense"] > 0 and len(s["reward_per_step"]) == steps
+    names = {p.name for p in run.iterdir()}
+    assert {"config.yaml", "summary.json", "telemetry.jsonl", "job.log", "report.md", "reward.png", "times.png"} <= names
+    assert ".init" not in names and str(run / "report.md") in proc.stdout
     write_report(tmp_path / "run", tmp_path / "report")  # nemo-dcr report: every recorded phase shown
     check_phases_shown(read_steps(tmp_path / "run"), (tmp_path / "report" / "report.md").read_text())
     return s
@@ -53,6 +63,8 @@ def test_main_job_vllm_engine_two_steps_bit_exact(tmp_path):
         pytest.skip("needs vllm: install the vllm extra (bash scripts/setup_env.sh installs it by default)")
     s = _demo(tmp_path, 2)
     assert s["engine"] == "vllm" and s["engine_placement"] == "separate"
+    engine_log = (tmp_path / "run" / "engine.log").read_text()
+    assert "vLLM" in engine_log and "Attempted to load weight" not in engine_log  # bf16 weights handed over
 
 
 def test_transformers_engine_colocated_two_steps_bit_exact(tmp_path):

@@ -1,6 +1,7 @@
-"""The demo's dense comparison of an FP8 transformers engine (nemo_dcr/tools/demo/hf_engine.py): the
-engine's FP8 bytes and scales against an independent re-quantization of a dense BF16 export.
-It must accept the engine that quantized that export and see one wrong byte or scale."""
+"""The demo's dense refit check (nemo_dcr/tools/demo/dense_refit.py, hf_engine.py): a BF16 engine's digests
+before and after its own dense load, an FP8 engine's bytes and scales against an independent
+re-quantization of the dense BF16 tensors.  It must accept an engine that equals them and see one
+wrong byte, scale or kept bit."""
 
 from __future__ import annotations
 
@@ -28,23 +29,41 @@ def _engine_and_export():
 
 
 def test_the_engine_that_quantized_the_export_equals_it():
-    from nemo_dcr.tools.demo.hf_engine import load_and_compare
+    from nemo_dcr.tools.demo.dense_refit import load_dense
+    from nemo_dcr.tools.demo.hf_engine import fp8_same
 
     engine, dense, plan = _engine_and_export()
     assert len(plan.fp8) == 7 and all(engine.tensors[n].dtype == torch.float8_e4m3fn for n in plan.fp8)
-    load_s, compare_s, same = load_and_compare(engine, dense)
-    assert same and load_s >= 0 and compare_s >= 0
+    assert fp8_same(engine, dense)
+    load_s, check_s, same = load_dense(engine, dense, version=1, fp8=True)  # its own dense load
+    assert same and load_s >= 0 and check_s >= 0 and engine.version == 1 and fp8_same(engine, dense)
+
+
+def test_bf16_dense_load_is_compared_by_digests():
+    from nemo_dcr.integrations.hf.engine import HFEngine
+    from nemo_dcr.tools.demo.dense_refit import load_dense
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, tie_word_embeddings=True))
+    engine = HFEngine(model, torch.bfloat16)
+    dense = {n: t.clone() for n, t in engine.tensors.items()}
+    assert load_dense(engine, dense, 1, fp8=False)[2] is True
+    int_view(dense["model.norm.weight"]).reshape(-1)[5] ^= 1  # the engine no longer holds what its load gives
+    assert load_dense(engine, dense, 2, fp8=False)[2] is False
+    assert torch.equal(int_view(engine.tensors["model.norm.weight"]), int_view(dense["model.norm.weight"]))
 
 
 @pytest.mark.parametrize("which", ["fp8_byte", "scale", "kept_bf16"])
 def test_one_wrong_bit_is_seen(which):
-    from nemo_dcr.tools.demo.hf_engine import load_and_compare
+    from nemo_dcr.tools.demo.hf_engine import fp8_same
 
     engine, dense, plan = _engine_and_export()
     weight = next(iter(plan.fp8))
     name = {"fp8_byte": weight, "scale": plan.scale_names[weight], "kept_bf16": "model.norm.weight"}[which]
     view = int_view(engine.tensors[name]).reshape(-1)
     view[3] ^= 1
-    assert load_and_compare(engine, dense)[2] is False
+    assert fp8_same(engine, dense) is False
     view[3] ^= 1
-    assert load_and_compare(engine, dense)[2] is True
+    assert fp8_same(engine, dense) is True

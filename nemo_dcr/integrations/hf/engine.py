@@ -16,7 +16,9 @@ dequantized copy before the version commits (readers wait for the commit, so non
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -55,6 +57,8 @@ class HFEngine:
             raise ValueError(f"parameters must be contiguous for in-place apply: {bad[:5]}")
         self.fp8_plan = fp8_plan
         self._fp8_layers: dict[str, quant.Fp8Linear] = {}
+        self.last_dense: list[dict] = []
+        """The timings of the last :meth:`load_weights`."""
         if fp8_plan is not None:
             tensors = self._quantize(tensors, fp8_plan)
         self.engine = TensorEngine(tensors, version, key, keep_index)
@@ -130,6 +134,33 @@ class HFEngine:
     def digests(self) -> dict[str, str]:
         """sha256 of every engine tensor's bits."""
         return self.engine.digests()
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> EngineChecksums:
+        """A conventional dense refit from canonical HF tensors: copied into the live parameters
+        (an FP8 engine quantizes its FP8 weights first, then its layers drop their dequantized copy),
+        no undo log, then a full checksum rescan; moves to ``version``.  :attr:`last_dense` keeps
+        the seconds of the load itself (``load_seconds``: quantize and copy).
+
+        Raises:
+            KeyError: a tensor of the engine is missing from ``tensors`` (nothing written).
+        """
+        held = dict(tensors) if self.fp8_plan is None else self.fp8_plan.quantize_model(dict(tensors))[0]
+        missing = sorted(set(self.tensors) - set(held))
+        if missing:
+            raise KeyError(f"dense load without {len(missing)} engine tensors, e.g. {missing[:3]}")
+        took = []
+
+        def write(params) -> None:
+            t0 = time.perf_counter()
+            for name, live in params.items():
+                live.copy_(held[name])
+            for layer in set(self._fp8_layers.values()):
+                layer.refresh()
+            took.append(time.perf_counter() - t0)
+
+        checksums = self.engine.dense_refit(write, version)
+        self.last_dense = [dict(rank=0, load_seconds=took[0])]
+        return checksums
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 8) -> Generation:

@@ -112,6 +112,7 @@ def save_embedded_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
     folder = Path(folder)
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir(), gguf_file=EMBEDDED_GGUF, dtype=dtype,
                                                  quantization_config=GgufConfig(dequantize=True))
+    model.to(dtype)  # the GGUF dequantization may leave some tensors in float32
     model.save_pretrained(folder)
     load_embedded_tokenizer().save_pretrained(folder)
     return folder

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Sequence
 
@@ -101,6 +102,7 @@ class VllmEngine:
         if llm.llm_engine.vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("VllmEngine supports tensor parallelism only (pipeline_parallel_size must be 1)")
         self.shapes = {n: list(s) for n, s in shapes.items()}
+        t0 = time.perf_counter()
         self.probed = llm.collective_rpc("dcr_probe", args=(self.shapes, dict(dtypes or {})))
         refused = {f"rank {r}: {what}" if self.tp > 1 else what: why
                    for r, p in enumerate(self.probed) for what, why in p["refused"].items()}
@@ -111,7 +113,11 @@ class VllmEngine:
         ranks = assign_primary([placement_from_json(p["placement"]) for p in self.probed])
         check_coverage(ranks, self.shapes, self.skipped)
         self._placements = [placement_to_json(r) for r in ranks]
+        t1 = time.perf_counter()
         llm.collective_rpc("dcr_attach", args=(self._placements, key, version, keep_index))
+        self.startup_seconds = {"probe": t1 - t0, "attach": time.perf_counter() - t1}
+        """Seconds of the placement probe and of the attach (engines over the live params, their
+        checksums and kept class indexes); :meth:`start` adds ``load`` (vLLM's own start-up)."""
         self.guard = VersionGuard(version)
         self.last_apply: list[dict] = []
         """Per rank, seconds its last prepare took (decode, validate, write, verify, repack)."""
@@ -139,14 +145,18 @@ class VllmEngine:
         import vllm
 
         kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
+        t0 = time.perf_counter()
         llm = vllm.LLM(model=model, tensor_parallel_size=tensor_parallel_size,
                        worker_extension_cls=WORKER_EXTENSION, **kwargs)
+        load = time.perf_counter() - t0
         try:
-            return cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index,
-                       canonical_dtypes(model) if shapes is None else None)
+            engine = cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index,
+                         canonical_dtypes(model) if shapes is None else None)
         except BaseException:
             llm.llm_engine.engine_core.shutdown()
             raise
+        engine.startup_seconds = {"load": load, **engine.startup_seconds}
+        return engine
 
     def close(self) -> None:
         """Shut the engine down (its worker processes exit)."""
@@ -276,16 +286,19 @@ class VllmEngine:
             outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], version
 
-    def load_weights(self, path: str, version: int) -> dict[str, int]:
-        """Dense refit of this engine from a safetensors checkpoint through vLLM's ``load_weights``.
+    def load_weights(self, source: "str | Mapping[str, torch.Tensor]", version: int) -> dict[str, int]:
+        """Dense refit of this engine through vLLM's own ``load_weights``: from a safetensors
+        checkpoint (``source``: its path; every rank reads it) or from canonical HF tensors in memory
+        (``source``: name -> tensor, handed to every rank).
 
-        Every rank reads the checkpoint and loads all of it; no undo log, no payload checks (the
-        conventional refit), then a full checksum rescan.  Returns the summed canonical
+        Every rank loads all of it; no undo log, no payload checks (the conventional refit), then a
+        full checksum rescan.  Returns the summed canonical
         checksums; :attr:`last_dense` keeps the ranks' timings (``load_seconds``, ``seconds``).
         """
         self._pending.refuse("a dense load")
         with self.guard.write():
-            replies = self.llm.collective_rpc("dcr_load_weights", args=(str(path), version))
+            arg = str(source) if isinstance(source, (str, os.PathLike)) else dict(source)
+            replies = self.llm.collective_rpc("dcr_load_weights", args=(arg, version))
             self._checksums = self._summed(replies)
             self.guard.version = version
         self.last_dense = [dict(rank=x["rank"], load_seconds=x["load_seconds"], seconds=x["seconds"])

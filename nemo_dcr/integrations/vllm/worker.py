@@ -242,8 +242,9 @@ class DcrWorkerExtension:
         """sha256 of every param this rank's engine writes into."""
         return self.dcr_engine.digests()
 
-    def dcr_load_weights(self, path: str, version: int) -> dict:
-        """Dense refit through the model's own ``load_weights`` from a safetensors checkpoint.
+    def dcr_load_weights(self, source, version: int) -> dict:
+        """Dense refit through the model's own ``load_weights``, from a safetensors checkpoint
+        (``source``: its path) or from canonical HF tensors (``source``: name -> tensor).
 
         Prepacked experts are loaded into their loader-layout copies and repacked.  Returns the
         version, this rank's canonical partial checksums (full rescan), the seconds of reading and
@@ -256,7 +257,7 @@ class DcrWorkerExtension:
         loaded = []
 
         def write(params) -> None:
-            tensors = load_checkpoint(path)
+            tensors = load_checkpoint(source) if isinstance(source, (str, Path)) else source
             with self._dcr_loader_layout():
                 model.load_weights(tensors.items())
             for name, shadow in self.dcr_refresh.shadows.items():  # transformed: their canonical copies

@@ -1,28 +1,48 @@
 """The demo's engine in a process of its own (``engine.placement: separate``).
 
-Trainer rank ``engine.rank`` starts it on its own node; trainers and engine then form one gloo
-group over a file store in the run folder (trainer ranks ``0..T-1``, the engine ``T``), and the
-refit path runs exactly as for any remote engine: every trainer rank sends what it owns over
-``DistTransport`` to the :class:`~nemo_dcr.refit.EngineServer` in this process (in a thread).
+Trainer rank ``engine.rank`` starts it on its own node; trainers and engine then form two gloo
+groups over file stores in the run folder (trainer ranks ``0..T-1``, the engine ``T``): the refit
+runs over the first exactly as for any remote engine (every trainer rank sends what it owns over
+``DistTransport`` to the :class:`~nemo_dcr.refit.EngineServer` in this process, in a thread); the
+second carries the efficient dense refit timed next to it (:mod:`nemo_dcr.tools.demo.dense_refit`).
 
 The demo itself (not the refit) talks to the engine over a pipe to the starting trainer rank:
-rollouts, the independent dense comparison and the dense-refit timing.  Engines: the transformers
-model, or a real vLLM engine (:class:`~nemo_dcr.integrations.vllm.engine.VllmEngine`, TP=1) loaded
-from the HF folder the starting rank wrote.
+readiness, rollouts and the dense refit's start.  Engines: the transformers model, or a real vLLM
+engine (:class:`~nemo_dcr.integrations.vllm.engine.VllmEngine`, TP=1) loaded from the HF folder the
+starting rank wrote.  Unless the run is verbose, everything the engine process (and vLLM in it)
+prints goes to ``log`` (``runs/<run>/engine.log``).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.tools.demo.hf_engine import build_hf_engine, load_and_compare
+from nemo_dcr.tools.demo.dense_refit import DenseLink, DenseResult, engine_group, load_dense
+from nemo_dcr.tools.demo.hf_engine import build_hf_engine
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What the engine process is started with (pickled once to the spawned process: demo data)."""
+
+    kind: str
+    hf_dir: str
+    store_dir: str
+    trainers: int
+    key: bytes | None
+    rl_cfg: object
+    seed: int
+    dcr: object
+    dims: object
+    log: str | None
+    """File the engine process writes its output to (None: the terminal)."""
 
 
 def refit_group(store_dir: Path, rank: int, trainers: int):
@@ -33,46 +53,53 @@ def refit_group(store_dir: Path, rank: int, trainers: int):
     return DistTransport(dist.ProcessGroupGloo(store, rank, trainers + 1), rank)
 
 
-def _build(kind: str, hf_dir: Path, key: bytes | None, dcr):
-    """(engine, tokenizer) of ``kind`` loaded from the HF folder ``hf_dir``."""
+def dense_link(store_dir: Path, rank: int, trainers: int, chunks=None, dims=None) -> DenseLink:
+    """This process's end of the dense refit's group (collective with every trainer rank and the engine)."""
+    group = engine_group(str(store_dir / "dense_store"), rank, trainers)
+    return DenseLink(group, rank, trainers, trainers, chunks, dims)
+
+
+def _redirect(log: str | None) -> None:
+    """Send this process's (and its children's) stdout and stderr to ``log``."""
+    if log is None:
+        return
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _build(setup: EngineSetup):
+    """``(engine, tokenizer, startup seconds)`` of ``setup.kind`` loaded from its HF folder."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    if kind == "vllm":
+    tokenizer = AutoTokenizer.from_pretrained(setup.hf_dir)
+    t0 = time.perf_counter()
+    if setup.kind == "vllm":
         from nemo_dcr.integrations.vllm.engine import VllmEngine
 
-        return VllmEngine.start(str(hf_dir), key=key, keep_index=dcr.engine_index, max_model_len=512,
-                                max_num_seqs=16), tokenizer
-    return build_hf_engine(hf_dir, key, dcr), tokenizer
+        engine = VllmEngine.start(setup.hf_dir, key=setup.key, keep_index=setup.dcr.engine_index,
+                                  max_model_len=512, max_num_seqs=64)
+        return engine, tokenizer, dict(engine.startup_seconds)
+    return build_hf_engine(Path(setup.hf_dir), setup.key, setup.dcr), tokenizer, {"load": time.perf_counter() - t0}
 
 
-def _load_and_compare(kind: str, engine, dense: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
-    """The dense refit's last hop and whether the engine equals the dense export, bit for bit (by
-    the engine's own means): ``(seconds of the load, seconds of the comparison, same)``."""
-    if kind != "vllm":
-        return load_and_compare(engine, dense)
-    t0 = time.perf_counter()
-    scratch = {n: t.clone() for n, t in dense.items()}
-    t1 = time.perf_counter()
-    from nemo_dcr.checkpoint import save_checkpoint
-
-    with tempfile.TemporaryDirectory() as tmp:  # vLLM: every placed element of every rank against the checkpoint
-        save_checkpoint(scratch, Path(tmp, "model.safetensors"))
-        same = all(not bad for bad in engine.compare(tmp).values())
-    return t1 - t0, time.perf_counter() - t1, same
-
-
-def engine_main(conn, kind: str, hf_dir: str, store_dir: str, trainers: int, key: bytes | None,
-                rl_cfg, seed: int, dcr) -> None:
+def engine_main(conn, setup: EngineSetup) -> None:
     """The engine process: serve refits in a thread, answer the demo over ``conn`` until ``stop``."""
     import random
 
-    from nemo_dcr.tools.demo.rollout import rollout
     from nemo_dcr.refit.server import EngineServer
+    from nemo_dcr.tools.demo.rollout import rollout
 
+    _redirect(setup.log)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    engine, tokenizer = _build(kind, Path(hf_dir), key, dcr)
-    server = EngineServer(engine, refit_group(Path(store_dir), trainers, trainers), list(range(trainers)))
+    try:
+        engine, tokenizer, startup = _build(setup)
+    except Exception as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        raise
+    store, trainers = Path(setup.store_dir), setup.trainers
+    server = EngineServer(engine, refit_group(store, trainers, trainers), list(range(trainers)))
 
     def serve() -> None:  # until STOP; then join the trainers' transport close handshake
         server.serve()
@@ -80,18 +107,21 @@ def engine_main(conn, kind: str, hf_dir: str, store_dir: str, trainers: int, key
 
     thread = threading.Thread(target=serve, name="nemo-dcr-engine", daemon=True)
     thread.start()
-    conn.send(("ready", kind))
-    rng = random.Random(seed)
+    link = dense_link(store, trainers, trainers, dims=setup.dims)
+    conn.send(("ready", startup))
+    rng, fp8 = random.Random(setup.seed), setup.dcr.engine_format == "fp8"
     while True:
         verb, arg = conn.recv()
         if verb == "rollout":
-            conn.send(rollout(engine, tokenizer, rng, rl_cfg))
-        elif verb == "dense":  # the dense refit's last hop: load a dense export into scratch, then compare
-            conn.send(_load_and_compare(kind, engine, arg))
+            conn.send(rollout(engine, tokenizer, rng, setup.rl_cfg))
+        elif verb == "dense":  # every trainer rank sends its shards now; load them by the engine's own loader
+            tensors, recv_s, convert_s, nbytes = link.receive()
+            load_s, check_s, same = load_dense(engine, tensors, arg, fp8)
+            conn.send(DenseResult(recv_s, convert_s, load_s, check_s, same, nbytes))
         elif verb == "stop":
             break
     thread.join()  # the server stopped and its transport closed with the trainers'
-    if kind == "vllm":
+    if setup.kind == "vllm":
         engine.close()
     conn.send(("stopped", {"committed": server.stats.committed, "refused": server.stats.refused}))
 
@@ -99,34 +129,47 @@ def engine_main(conn, kind: str, hf_dir: str, store_dir: str, trainers: int, key
 class EngineProcess:
     """The starting trainer rank's handle on the engine process."""
 
-    def __init__(self, kind: str, hf_dir: Path, store_dir: Path, trainers: int, key: bytes | None, rl_cfg,
-                 seed: int, dcr):
+    def __init__(self, setup: EngineSetup):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
+        self.log = setup.log
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_main, name="nemo-dcr-engine",
-                                args=(child, kind, str(hf_dir), str(store_dir), trainers, key, rl_cfg, seed, dcr))
+        self.proc = ctx.Process(target=engine_main, name="nemo-dcr-engine", args=(child, setup))
         self.proc.start()
 
-    def wait_ready(self, timeout: float = 900.0) -> str:
-        """Block until the engine loaded (vLLM takes a while); returns its kind."""
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"the engine process did not start within {timeout}s")
-        return self.conn.recv()[1]
+    def wait_ready(self, timeout: float = 900.0) -> dict[str, float]:
+        """Block until the engine loaded (vLLM takes a while); returns its start-up seconds.
+
+        Raises:
+            RuntimeError: the engine process failed or died (its log is named).
+        """
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(1.0):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self.proc.exitcode}{self._see_log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine process did not start within {timeout}s{self._see_log()}")
+        what, arg = self.conn.recv()
+        if what != "ready":
+            raise RuntimeError(f"the engine process failed: {arg}{self._see_log()}")
+        return arg
+
+    def _see_log(self) -> str:
+        return f" (its output: {self.log})" if self.log else ""
 
     def rollout(self):
         """One step's rollout batch from the engine's current version."""
         self.conn.send(("rollout", None))
         return self.conn.recv()
 
-    def dense(self, tensors: dict[str, torch.Tensor]) -> tuple[float, bool]:
-        """Hand a dense export over; returns the seconds of the hand-over and the load into scratch
-        (the comparison after it is not counted) and whether the engine equals the export."""
-        t0 = time.perf_counter()
-        self.conn.send(("dense", tensors))
-        _load_s, compare_s, same = self.conn.recv()
-        return time.perf_counter() - t0 - compare_s, same
+    def start_dense(self, version: int) -> None:
+        """Tell the engine a dense refit to ``version`` begins (the trainers send their shards next)."""
+        self.conn.send(("dense", version))
+
+    def dense_result(self) -> DenseResult:
+        """The engine's account of the dense refit it just loaded."""
+        return self.conn.recv()
 
     def stop(self, timeout: float = 120.0) -> dict:
         """Stop the engine process (after the refit closed); its server's statistics."""

@@ -1,30 +1,35 @@
 """Where the demo's engine lives: in trainer rank ``engine.rank``'s process (``colocated``) or in a
-process of its own next to it (``separate``, always for vLLM).  Both handles give the starting
-trainer rank the same three things: rollouts, the independent dense comparison, and shutdown.
-The refit itself never goes through these handles: it is ``DeltaRefit`` to the engine's server.
+process of its own next to it (``separate``, always for vLLM).  Both handles give the trainer ranks
+the same things: readiness, rollouts, the efficient dense refit (every rank sends its shards over the
+dense link; the engine's host loads them by the engine's own loader and checks the engine held what
+that load gives it, :mod:`nemo_dcr.tools.demo.dense_refit`), and shutdown.  The refit itself never
+goes through these handles: it is ``DeltaRefit`` to the engine's server.
 
 With ``engine.weights: fp8`` the transformers engine holds the linear layers in FP8
 (:class:`~nemo_dcr.integrations.hf.engine.HFEngine` with the plan of ``dcr``), and the dense
-comparison checks its FP8 bytes and scales against an independent re-quantization of the dense
-export (:func:`nemo_dcr.verify.fp8_reference.fp8_mismatches`).
+check compares its FP8 bytes and scales with an independent re-quantization of the dense tensors
+(:func:`nemo_dcr.verify.fp8_reference.fp8_mismatches`).
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
-from nemo_dcr.tools.demo.hf_engine import build_hf_engine, load_and_compare
+from nemo_dcr.tools.demo.dense_refit import DenseLink, DenseResult, load_dense
+from nemo_dcr.tools.demo.hf_engine import build_hf_engine
 
 
 def write_initial_weights(init_dir: Path) -> Path:
-    """The embedded model as an HF folder (fp32 safetensors, config, tokenizer) under ``init_dir``:
-    what the trainer ranks and the engine load; removed by :func:`remove_initial_weights`."""
+    """The embedded model as an HF folder (bf16 safetensors, the dtype the trainer and the engine
+    serve, config, tokenizer) under ``init_dir``: what the trainer ranks and the engine load;
+    removed by :func:`remove_initial_weights`."""
     from nemo_dcr.integrations.hf.model import save_embedded_hf
 
-    return save_embedded_hf(init_dir / "hf")
+    return save_embedded_hf(init_dir / "hf", torch.bfloat16)
 
 
 def remove_initial_weights(init_dir: Path) -> None:
@@ -40,23 +45,30 @@ class ColocatedEngine:
 
         from transformers import AutoTokenizer
 
+        t0 = time.perf_counter()
         self.engine = build_hf_engine(hf_dir, key, dcr)
+        self.startup = {"load": time.perf_counter() - t0}
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        self.rl_cfg, self.rng = rl_cfg, random.Random(seed)
+        self.rl_cfg, self.rng, self.fp8 = rl_cfg, random.Random(seed), dcr.engine_format == "fp8"
 
-    def wait_ready(self) -> str:
-        return f"hf{' fp8' if self.engine.fp8_plan is not None else ''} (colocated)"
+    def describe(self) -> str:
+        return f"transformers{' (FP8 weights)' if self.fp8 else ''}, colocated in this rank"
+
+    def wait_ready(self) -> dict[str, float]:
+        return self.startup
 
     def rollout(self):
         from nemo_dcr.tools.demo.rollout import rollout
 
         return rollout(self.engine, self.tokenizer, self.rng, self.rl_cfg)
 
-    def compare(self, dense: dict[str, torch.Tensor]) -> tuple[float, bool]:
-        """Seconds of the load into scratch (:func:`load_and_compare`; the comparison not counted)
-        and whether the engine equals ``dense``."""
-        load_s, _, same = load_and_compare(self.engine, dense)
-        return load_s, same
+    def dense(self, link: DenseLink, version: int) -> DenseResult:
+        """The host's side of one dense refit: the other ranks' shards and its own, loaded."""
+        from nemo_dcr.tools.megatron.dense import first_replica_shards
+
+        tensors, recv_s, convert_s, nbytes = link.receive(first_replica_shards(link.chunks, link.dims))
+        load_s, check_s, same = load_dense(self.engine, tensors, version, self.fp8)
+        return DenseResult(recv_s, convert_s, load_s, check_s, same, nbytes)
 
     def stop_server(self, transport) -> None:
         """Nothing to do: ``DeltaRefit.close`` stops the server it hosts."""
@@ -68,21 +80,26 @@ class ColocatedEngine:
 class SeparateEngine:
     """The engine in a process of its own (:mod:`nemo_dcr.tools.demo.engine_process`)."""
 
-    def __init__(self, kind: str, hf_dir: Path, store_dir: Path, trainers: int, key: bytes | None, rl_cfg,
-                 seed: int, dcr):
+    def __init__(self, setup):
         from nemo_dcr.tools.demo.engine_process import EngineProcess
 
-        self.kind, self.trainers = kind, trainers
-        self.proc = EngineProcess(kind, hf_dir, store_dir, trainers, key, rl_cfg, seed, dcr)
+        self.kind, self.trainers = setup.kind, setup.trainers
+        self.proc = EngineProcess(setup)
 
-    def wait_ready(self) -> str:
-        return f"{self.proc.wait_ready()} (separate process)"
+    def describe(self) -> str:
+        return f"{'vLLM' if self.kind == 'vllm' else 'transformers'} in a process of its own"
+
+    def wait_ready(self) -> dict[str, float]:
+        return self.proc.wait_ready()
 
     def rollout(self):
         return self.proc.rollout()
 
-    def compare(self, dense: dict[str, torch.Tensor]) -> tuple[float, bool]:
-        return self.proc.dense(dense)
+    def dense(self, link: DenseLink, version: int) -> DenseResult:
+        """This rank's shards to the engine process, which loads everyone's; its account."""
+        self.proc.start_dense(version)
+        link.send()
+        return self.proc.dense_result()
 
     def stop_server(self, transport) -> None:
         """Stop the engine's refit server (a STOP over the refit transport; call it before

@@ -126,7 +126,12 @@ class RunConfig:
     run_dir: str = "runs/grpo_dcr"
     """Output folder (summary, telemetry, plots)."""
     dense_compare_interval: int = 1
-    """Check the engine bitwise against an independent dense export every N steps (0: never)."""
+    """Every N steps (0: never) also run the efficient dense refit of the same weights, timed (the
+    ratio's reference), and check that the engine held bit for bit what that load by its own loader
+    gives it (docs/recipes.md)."""
+    verbose: bool = False
+    """Show every line the ranks and the engine print (vLLM's own included); by default they go to
+    ``job.log`` and ``engine.log`` in the run folder and the terminal shows the progress lines."""
 
     def validate(self, prefix: str = "run") -> None:
         """Raise :class:`ConfigError` naming the first bad key."""
