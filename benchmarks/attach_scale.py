@@ -96,18 +96,14 @@ def _rss() -> int:
 
 
 def measure(model_dir: Path, params: int) -> dict:
-    import vllm
-
     from nemo_dcr.checkpoint import load_checkpoint
     from nemo_dcr.config.schema import DcrConfig
-    from nemo_dcr.integrations.vllm import WORKER_EXTENSION
-    from nemo_dcr.integrations.vllm.engine import VllmEngine, canonical_dtypes, canonical_shapes
+    from nemo_dcr.integrations.vllm.engine import VllmEngine, canonical_dtypes, canonical_shapes, start_llm
     from nemo_dcr.refit import DeltaRefit, colocated_wiring
     from nemo_dcr.refit.canonical import CanonicalSource
 
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=str(model_dir), worker_extension_cls=WORKER_EXTENSION, dtype="bfloat16", enforce_eager=True,
-                   max_model_len=256, skip_tokenizer_init=True, max_num_seqs=4)
+    llm = start_llm(str(model_dir), max_model_len=256, skip_tokenizer_init=True, max_num_seqs=4)
     t_load = time.perf_counter() - t0
     with RssPeak() as rss:
         t0 = time.perf_counter()

@@ -127,7 +127,7 @@ def check_engine(base: str | Path, steps: Sequence[str | Path], tp: int = 1, key
     from nemo_dcr.refit import DeltaRefit, colocated_wiring
     from nemo_dcr.refit.canonical import CanonicalSource
 
-    from .engine import VllmEngine
+    from .engine import VllmEngine, greedy, start_llm
 
     args = {**dict(skip_tokenizer_init=True, max_num_seqs=4, max_model_len=256), **engine_args}
     check = EngineCheck()
@@ -157,9 +157,14 @@ def check_engine(base: str | Path, steps: Sequence[str | Path], tp: int = 1, key
                     check.refits.append(_row(refit.step()))
         finally:
             refit.close(60)
-        got, tokens = engine_state(engine.llm), engine.generate(PROMPTS)[0]
-    with VllmEngine.start(str(steps[-1] if steps else base), tensor_parallel_size=tp, key=key, **args) as fresh:
-        want, want_tokens = engine_state(fresh.llm), fresh.generate(PROMPTS)[0]
+        with engine.serving():
+            got = engine_state(engine.llm)
+        tokens = engine.generate(PROMPTS)[0]
+    fresh = start_llm(str(steps[-1] if steps else base), tp, **args)  # a plain engine: nothing probed, attached
+    try:
+        want, want_tokens = engine_state(fresh), greedy(fresh, PROMPTS)
+    finally:
+        fresh.llm_engine.engine_core.shutdown()
     check.differences = state_differences(got, want)
     check.tokens_equal = tokens == want_tokens
     return check

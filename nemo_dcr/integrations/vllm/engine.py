@@ -79,6 +79,19 @@ def canonical_dtypes(model_dir: str) -> dict[str, str]:
     return {n: names[dtype] for n, (dtype, _) in list_tensors(model_dir).items()}
 
 
+def start_llm(model: str, tensor_parallel_size: int = 1, **llm_kwargs):
+    """``vllm.LLM`` on ``model`` with the worker extension (so the CPU patches hold in every
+    worker) and :data:`CPU_ENV`; defaults ``dtype="bfloat16"``, ``enforce_eager=True``,
+    ``max_model_len=512`` unless given.  Not attached: :class:`VllmEngine` probes and attaches."""
+    for k, v in CPU_ENV.items():
+        os.environ.setdefault(k, v)
+    import vllm
+
+    kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
+    return vllm.LLM(model=str(model), tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+                    **kwargs)
+
+
 class VllmEngine:
     """All TP ranks of one ``vllm.LLM`` as a refit engine (build it with :meth:`start`).
 
@@ -140,14 +153,8 @@ class VllmEngine:
             **llm_kwargs: more ``vllm.LLM`` arguments (``load_format="dummy"``, ``tokenizer``, ...);
                 defaults: ``dtype="bfloat16"``, ``enforce_eager=True``, ``max_model_len=512``.
         """
-        for k, v in CPU_ENV.items():
-            os.environ.setdefault(k, v)
-        import vllm
-
-        kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
         t0 = time.perf_counter()
-        llm = vllm.LLM(model=model, tensor_parallel_size=tensor_parallel_size,
-                       worker_extension_cls=WORKER_EXTENSION, **kwargs)
+        llm = start_llm(model, tensor_parallel_size, **llm_kwargs)
         load = time.perf_counter() - t0
         try:
             engine = cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index,
@@ -277,14 +284,8 @@ class VllmEngine:
             max_tokens: tokens to generate per prompt.
             **sampling: more ``vllm.SamplingParams`` fields (e.g. ``ignore_eos=True``).
         """
-        import vllm
-        from vllm.inputs import TokensPrompt
-
-        inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
         with self.serving() as version:
-            outs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], version
+            return greedy(self.llm, prompts, max_tokens, **sampling), version
 
     def load_weights(self, source: "str | Mapping[str, torch.Tensor]", version: int) -> dict[str, int]:
         """Dense refit of this engine through vLLM's own ``load_weights``: from a safetensors
@@ -318,6 +319,16 @@ class VllmEngine:
             for n, c in x["checksums"].items():
                 out[n] = (out.get(n, 0) + c) & MASK64
         return EngineChecksums(out, {x["rank"]: dict(x["views"]) for x in replies})
+
+
+def greedy(llm, prompts: Sequence[str | Sequence[int]], max_tokens: int = 16, **sampling) -> list[list[int]]:
+    """Greedy generation of ``llm`` (a ``vllm.LLM``): the token ids per prompt (text, or token ids)."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params, use_tqdm=False)]
 
 
 @contextmanager
