@@ -49,14 +49,20 @@ def held_weights(engine: TensorEngine, dtypes) -> Iterator[tuple[str, torch.Tens
         yield name, full
 
 
-def state_tensors(model: torch.nn.Module, packed) -> dict[str, torch.Tensor]:
-    """Everything a forward pass may read: params, buffers, tensor attributes of every module
-    (``attr:<module>.<name>``), and the loader-layout copies of prepacked experts."""
+def state_tensors(worker, packed) -> dict[str, torch.Tensor]:
+    """Everything a forward pass of the worker's model may read, bar its KV cache: params,
+    buffers, tensor attributes of every module (``attr:<module>.<name>``), and the loader-layout
+    copies of prepacked experts.  The KV cache (the runner's ``kv_caches``, which vLLM binds to
+    each attention layer's ``kv_cache``) is serving state, rewritten by every generation."""
+    model = worker.model_runner.model
+    caches = {c.untyped_storage().data_ptr() for c in getattr(worker.model_runner, "kv_caches", None) or []
+              if isinstance(c, torch.Tensor)}
     out = {f"param:{n}": p.data for n, p in model.named_parameters()}
     out.update({f"buffer:{n}": b for n, b in model.named_buffers()})
     for prefix, module in model.named_modules():
         for a, v in vars(module).items():
-            if isinstance(v, torch.Tensor) and not a.startswith(("_", "dcr")):
+            if isinstance(v, torch.Tensor) and not a.startswith(("_", "dcr")) \
+                    and v.untyped_storage().data_ptr() not in caches:
                 out[f"attr:{prefix}.{a}"] = v
     out.update({f"unpacked:{n}": layer.unpacked[n] for n, layer in packed.items()})
     return out
@@ -87,10 +93,10 @@ def check(worker) -> list[str]:
         raise NotImplementedError(f"this vLLM has no in-place weight reload ({exc}); run `nemo-dcr check-engine` "
                                   "before the job instead, or set dcr.preflight: false") from None
     model = worker.model_runner.model
-    before = digests(state_tensors(model, worker.dcr_packed))
+    before = digests(state_tensors(worker, worker.dcr_packed))
     weights = held_weights(worker.dcr_engine, worker.dcr_dtypes)
     reload_weights(worker.vllm_config, model, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)
-    after = digests(state_tensors(model, worker.dcr_packed))
+    after = digests(state_tensors(worker, worker.dcr_packed))
     for name, layer in worker.dcr_packed.items():
         key = f"param:{name}"
         if after[key] != before[key] and after[key] == before[f"unpacked:{name}"]:

@@ -45,13 +45,14 @@ class StateDiff:
 
 def state_bytes(worker) -> State:
     """(dtype, shape, raw bytes) of every param, buffer and tensor attribute of a worker's model
-    (runs in the worker; nemo_dcr's own copies, ``dcr*`` attributes, are not the engine's state)."""
+    (runs in the worker; nemo_dcr's own copies, ``dcr*`` attributes, and the KV cache are not the
+    engine's state)."""
     import torch
 
     from .preflight import state_tensors
 
     out = {}
-    for name, t in state_tensors(worker.model_runner.model, {}).items():
+    for name, t in state_tensors(worker, {}).items():
         c = t.detach().contiguous().cpu()
         out[name] = (str(c.dtype), list(c.shape), c.reshape(-1).view(torch.uint8).numpy().tobytes()
                      if c.numel() else b"")
