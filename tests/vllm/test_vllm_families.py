@@ -3,15 +3,11 @@ check-engine`` on a tiny random config of each (Llama, Qwen2, Qwen3-MoE, Mixtral
 DeepSeek-V3, NemotronH, gpt-oss) refits a live engine along a sparse bf16 step and must end
 bit-identical to a fresh engine's own dense load (every param, buffer and tensor attribute),
 with the first sync's preflight clean and greedy tokens equal; a quantized engine is refused up
-front, naming its layers; a preflight sees a loader-written element the refit did not keep.
-
-By default Qwen2, Mixtral and Gemma-2 are skipped (:data:`COVERED`: another family takes the same
-refit path); ``NEMO_DCR_ALL_FAMILIES=1`` runs them too."""
+front, naming its layers; a preflight sees a loader-written element the refit did not keep."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from vllm_models import ENGINE_ARGS, KEY, quantized_w8a8, save_tiny, tiny_config
@@ -25,23 +21,9 @@ RELOADED = {"nemotron_h": ["backbone.layers.0.mixer.A_log"],  # A = -exp(A_log),
 PACKED = {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"}
 """Families whose experts the CPU MoE kernel prepacks (refit: loader layout, touched experts repacked)."""
 
-ALL_FAMILIES = bool(os.environ.get("NEMO_DCR_ALL_FAMILIES"))
-"""``NEMO_DCR_ALL_FAMILIES=1`` runs every family; by default the families whose refit path another
-one already covers are skipped (CI time: each family is one engine start, a refit and a fresh engine)."""
 
-COVERED = {"qwen2": "llama (in place; attention biases are one more in-place tensor)",
-           "mixtral": "qwen3_moe (prepacked CPU experts)",
-           "gemma2": "llama (in place, tied embeddings as in SmolLM2)"}
-"""Families run only with ``NEMO_DCR_ALL_FAMILIES=1``, and which family covers their refit path."""
-
-
-def _family(name: str):
-    why = f"covered by {COVERED[name]}; set NEMO_DCR_ALL_FAMILIES=1 to run it" if name in COVERED else ""
-    return pytest.param(name, marks=pytest.mark.skipif(bool(why) and not ALL_FAMILIES, reason=why))
-
-
-@pytest.mark.parametrize("family", [_family(f) for f in ("llama", "qwen2", "qwen3_moe", "mixtral", "phi3", "gemma2",
-                                                        "deepseek_v3", "nemotron_h", "gpt_oss")])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe", "mixtral", "phi3", "gemma2", "deepseek_v3",
+                                    "nemotron_h", "gpt_oss"])
 def test_check_engine_is_bit_exact_for_each_family(family, tmp_path, capsys):
     from nemo_dcr.tools.cli import main
 
