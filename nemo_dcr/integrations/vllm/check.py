@@ -103,14 +103,16 @@ class EngineCheck:
 def _summary(check: EngineCheck, engine) -> None:
     truth = engine.truth
     check.kinds = dict(Counter(t["kind"] for rank in truth for t in rank.values()))
-    check.reloaded = sorted({s for rank in truth for t in rank.values() if t["kind"] == "transformed" for s in t["sources"]})
+    check.reloaded = sorted({s for rank in truth for t in rank.values() if t["kind"] == "transformed"
+                             for s in t["sources"]})
     check.rearranged = sorted({n for rank in truth for n, t in rank.items() if t["kind"] == "rearranged"})
     check.derived = sorted({n for rank in truth for n, t in rank.items() if t["kind"] == "derived"})
     check.skipped = dict(engine.skipped)
     check.probe = dict(engine.probed[0]["stats"])
 
 
-def check_engine(base: str | Path, steps: Sequence[str | Path], tp: int = 1, key: bytes = b"check-engine-key-0123456789abcd",
+def check_engine(base: str | Path, steps: Sequence[str | Path], tp: int = 1,
+                 key: bytes = b"check-engine-key-0123456789abcd",
                  **engine_args) -> EngineCheck:
     """Refit a vLLM engine started on ``base`` along ``steps`` (HF folders), then compare it with a
     fresh engine on ``steps[-1]``.

@@ -78,7 +78,8 @@ def state_differences(got: Sequence[State], want: Sequence[State]) -> list[State
     for rank, (a, b) in enumerate(zip(got, want)):
         for name in sorted(set(a) | set(b)):
             if name not in a or name not in b:
-                out.append(StateDiff(rank, name, -1, 0, f"only in {'the refit engine' if name in a else 'the fresh one'}"))
+                side = "the refit engine" if name in a else "the fresh one"
+                out.append(StateDiff(rank, name, -1, 0, f"only in {side}"))
                 continue
             (da, sa, ba), (db, sb, bb) = a[name], b[name]
             numel = int(np.prod(sa)) if sa else 1
