@@ -127,6 +127,9 @@ class TimedEngine:
     def serving(self):
         return self.inner.serving()
 
+    def preflight(self):
+        return self.inner.preflight()
+
 
 def _dense_part(timed: TimedEngine, env: Envelope, transport, held: list, times: dict) -> None:
     """Hold dense parts; on the last one write them all (apply), scan checksums (verify), ACK."""

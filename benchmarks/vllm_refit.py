@@ -161,7 +161,7 @@ def main() -> None:
 def run_all(a, step0: Path, step1: Path) -> dict:
     from nemo_dcr.checkpoint import load_checkpoint
     from nemo_dcr.integrations.vllm.engine import VllmEngine
-    from nemo_dcr.integrations.vllm.verify import engine_params, param_differences
+    from nemo_dcr.integrations.vllm.verify import engine_state, state_differences
     from nemo_dcr.types import bits_view
     from nemo_dcr.verify.checksum import tensor_checksum
 
@@ -187,14 +187,14 @@ def run_all(a, step0: Path, step1: Path) -> dict:
     print(f"ratio (encode + apply) / dense load_weights: {(med['encode'] + med['apply']) / med['dense_load']:.3f}")
     ok_ck = engine.checksums().canonical == {n: tensor_checksum(bits_view(x)) for n, x in w1.items()} \
         == engine.checksums(True).canonical
-    refit, ours1 = engine_params(engine.llm), engine.generate(PROMPTS, a.tokens)[0]
+    refit, ours1 = engine_state(engine.llm), engine.generate(PROMPTS, a.tokens)[0]
     engine.close()
     with VllmEngine.start(str(step1), key=KEY, **ARGS) as fresh:
-        diffs = param_differences(refit, engine_params(fresh.llm))
+        diffs = [str(d) for d in state_differences(refit, engine_state(fresh.llm))]
         same_tokens = fresh.generate(PROMPTS, a.tokens)[0] == ours1
     print(f"\nafter the last delta refit: checksums = trainer's: {ok_ck}; params vs a fresh engine on step_1: "
-          f"{'identical' if not diffs else diffs[:5]} ({len(refit[0])} params); greedy tokens identical: {same_tokens}")
-    report = dict(timings=t, checksums_ok=ok_ck, param_differences=diffs, tokens_identical=same_tokens,
+          f"{'identical' if not diffs else diffs[:5]} ({len(refit[0])} params, buffers, attributes); greedy tokens identical: {same_tokens}")
+    report = dict(timings=t, checksums_ok=ok_ck, state_differences=diffs, tokens_identical=same_tokens,
                   generation=dict(unpacked_seconds=gen_ours, tokens=ours0))
     print(f"generation {len(PROMPTS) * 4} prompts x {a.tokens} tokens (best of 3), linears unpacked (F.linear): "
           f"{gen_ours:.2f} s")

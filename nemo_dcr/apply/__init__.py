@@ -9,12 +9,12 @@ Usage::
 
 from .contract import Engine, EngineChecksums, Parts, apply_version
 from .engine import TensorEngine
-from .errors import (ApplyVerificationError, IncompletePartsError, InjectedFault, PendingVersionError, RefitRefusedError,
-                     VersionMismatchError)
+from .errors import (ApplyVerificationError, EngineRefusedError, IncompletePartsError, InjectedFault, PendingVersionError,
+                     PreflightError, RefitRefusedError, VersionMismatchError)
 from .guard import VersionGuard
 from .transaction import ApplyResult, UndoSettings, apply_parts, resync_parts
 from .undo import UNDO_MEMORY_BYTES, UndoLog
 
-__all__ = ["ApplyResult", "ApplyVerificationError", "Engine", "EngineChecksums", "IncompletePartsError",
-           "InjectedFault", "Parts", "PendingVersionError", "RefitRefusedError", "TensorEngine", "UNDO_MEMORY_BYTES", "UndoLog",
-           "UndoSettings", "VersionGuard", "VersionMismatchError", "apply_parts", "apply_version", "resync_parts"]
+__all__ = ["ApplyResult", "ApplyVerificationError", "Engine", "EngineChecksums", "EngineRefusedError",
+           "IncompletePartsError", "InjectedFault", "Parts", "PendingVersionError", "PreflightError", "RefitRefusedError",
+           "TensorEngine", "UNDO_MEMORY_BYTES", "UndoLog", "UndoSettings", "VersionGuard", "VersionMismatchError", "apply_parts", "apply_version", "resync_parts"]

@@ -19,6 +19,10 @@ transactions.  :class:`Engine` is the one protocol (docs/engines.md, "The contra
 * ``digests()``: sha256 of the raw bits of everything it holds (an equality check for tests and
   chaos, independent of the checksums).
 * ``serving()``: a context manager holding the current version for one generation.
+* ``preflight()``: compare everything the engine holds with its own dense load of the same
+  weights (its loader and post-load processing); the differences, empty when bit-identical
+  (docs/engines.md, "Engine truth").  An engine without a loader of its own (tensors held
+  whole, or views into params it was handed) has nothing to compare and returns none.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ class Engine(Protocol):
     def digests(self) -> dict[str, str]: ...
 
     def serving(self) -> ContextManager[int]: ...
+
+    def preflight(self) -> list[str]: ...
 
 
 def apply_version(engine: Engine, parts: Parts, resync: bool = False) -> ApplyResult:

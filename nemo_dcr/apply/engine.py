@@ -231,3 +231,8 @@ class TensorEngine:
         """Hold the current version for one generation; yields it."""
         with self.guard.read() as version:
             yield version
+
+    def preflight(self) -> list[str]:
+        """No differences: these tensors are what a load of them holds (no loader of its own to
+        compare with; an engine that has one, e.g. ``VllmEngine``, compares with it)."""
+        return []

@@ -43,3 +43,32 @@ class ApplyVerificationError(RefitRefusedError):
 
 class InjectedFault(RuntimeError):
     """Raised by a test or chaos hook in the middle of an apply (the apply must roll back)."""
+
+
+class EngineRefusedError(RuntimeError):
+    """An engine cannot be refit exactly (a kernel backend that rearranges weights, quantized
+    layers, an element that lands twice, ...): refused before the first sync, nothing sent.
+
+    Attributes:
+        reasons: what (an engine param, a canonical tensor, an engine feature) -> why.
+    """
+
+    def __init__(self, reasons: dict[str, str], where: str = "the engine"):
+        self.reasons = dict(reasons)
+        lines = "; ".join(f"{what}: {why}" for what, why in sorted(self.reasons.items())[:12])
+        more = f" (and {len(self.reasons) - 12} more)" if len(self.reasons) > 12 else ""
+        super().__init__(f"{where} cannot be refit in place: {lines}{more}")
+
+
+class PreflightError(RuntimeError):
+    """The engine after the first sync differs from its own dense load of the same weights.
+
+    Attributes:
+        differences: one line per differing tensor (which engine rank, which tensor).
+    """
+
+    def __init__(self, differences: list[str]):
+        self.differences = list(differences)
+        head = "; ".join(self.differences[:12])
+        more = f" (and {len(self.differences) - 12} more)" if len(self.differences) > 12 else ""
+        super().__init__(f"preflight: the engine differs from its own load of the attach weights: {head}{more}")

@@ -1,36 +1,26 @@
-"""Where each canonical element lives in an engine rank, derived by probing the engine's own loaders.
+"""Where each canonical element lives in an engine rank: runs, placements, primaries, coverage.
 
 An engine with fused, TP-sharded params (vLLM: ``qkv_proj``, ``gate_up_proj``, MoE ``w13_weight``
-/ ``w2_weight``, a padded vocab-parallel embedding) loads a canonical HF tensor by calling the
-param's ``weight_loader`` (with a shard id, and an expert id for MoE).  Instead of re-deriving
-that placement by hand, :func:`probe_tensor` calls the loader once with an *iota* tensor (every
-element holds its own canonical flat index plus one) into a probe buffer of the param's shape
-filled with -1, and reads off which canonical index landed at each engine-local position.  The
-offset of one keeps constants a loader writes itself (vLLM zero-fills vocab padding rows) apart
-from canonical index 0: only values >= 1 are placements.  The result is a
+/ ``w2_weight``, a padded vocab-parallel embedding) holds each canonical HF tensor's elements,
+or this rank's share of them, somewhere inside one param.  A :class:`TensorPlacement` says where:
 :class:`Runs` map canonical flat index -> engine-local flat index for the elements this rank
-holds, stored as runs of consecutive indices (a TP row shard is one run), so it costs a few
-integers per tensor; startup cost is one loader call per canonical tensor.
+holds, stored as runs (a TP row shard is one run, a transposed expert tensor one run per row), so
+a placement costs a few integers per tensor.  Placements are *probed* from the engine's own
+``load_weights`` (:mod:`nemo_dcr.apply.probe`), never re-derived by hand.
 
 Worked example (TP=2, rank 1, ``q_proj`` [8, 4], ``k_proj``/``v_proj`` [4, 4], ``qkv_proj`` local
-[8, 4] = q rows 4..7, k rows 2..3, v rows 2..3): probing ``k_proj`` writes canonical indices
-8..15 (as 9..16) at local flat 16..23, so its runs are ``canon=[8] local=[16] length=[8]``.
+[8, 4] = q rows 4..7, k rows 2..3, v rows 2..3): ``k_proj`` lands at local flat 16..23, so its
+runs are ``canon=[8] local=[16] length=[8] step=[1]``.
 
-:func:`record_loader_calls` finds *which* loader call the engine would make for a canonical name
-by running the engine's own ``load_weights`` with every param's loader replaced by a recorder,
-so shard ids come from the engine's ``stacked_params_mapping`` / expert mapping, not from a copy.
-Everything here is framework-free (torch and numpy); the vLLM specifics are in
-``nemo_dcr.integrations.vllm.worker`` and a CPU stand-in with the same loader contract is
-``tests.standins.vllm_standin``.
+Everything here is framework-free (torch and numpy).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
-import torch
 
 from nemo_dcr.types import SparseDelta
 
@@ -41,16 +31,25 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class Runs:
-    """A monotone map from held canonical flat indices to engine-local flat indices.
+    """A map from held canonical flat indices to engine-local flat indices, as runs.
 
-    Run ``r`` maps canonical ``canon[r] + k`` to local ``local[r] + k`` for ``0 <= k < length[r]``;
-    runs are sorted by ``canon`` and disjoint.  The held elements, in canonical order, also form
-    the *view* index space ``j = 0 .. numel-1`` that payload records for this rank use.
+    Run ``r`` maps canonical ``canon[r] + k`` to local ``local[r] + k * step[r]`` for
+    ``0 <= k < length[r]``; runs are sorted by ``canon`` and disjoint.  ``step`` is 1 for a plain
+    copy (a TP row shard is one run) and the row length of a transpose (a loader that stores a
+    ``[E, H, N]`` tensor as ``[E, N, H]`` maps each canonical row of ``N`` to local stride ``H``),
+    so a transposed tensor costs one run per row, not per element.  The held elements, in
+    canonical order, also form the *view* index space ``j = 0 .. numel-1`` that payload records
+    for this rank use.
     """
 
     canon: np.ndarray
     local: np.ndarray
     length: np.ndarray
+    step: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.step is None:
+            object.__setattr__(self, "step", np.ones(len(self.canon), np.int64))
 
     @classmethod
     def from_pairs(cls, canon: np.ndarray, local: np.ndarray) -> "Runs":
@@ -59,10 +58,32 @@ class Runs:
         c, l = np.asarray(canon, np.int64)[order], np.asarray(local, np.int64)[order]
         if c.size and np.any(np.diff(c) == 0):
             raise PlacementError("a canonical index landed at two engine positions")
-        brk = np.flatnonzero((np.diff(c) != 1) | (np.diff(l) != 1)) + 1
-        starts = np.concatenate([[0], brk]).astype(np.int64) if c.size else np.zeros(0, np.int64)
+        return cls.from_sorted(c, l)
+
+    @classmethod
+    def from_sorted(cls, c: np.ndarray, l: np.ndarray) -> "Runs":
+        """Runs of pairs sorted by unique canonical index: a run continues while the canonical
+        index grows by one and the local index by the same positive step."""
+        if not c.size:
+            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        dc, dl = np.diff(c), np.diff(l)
+        hard = (dc != 1) | (dl < 1)
+        brk = hard.copy()
+        brk[1:] |= ~hard[:-1] & (dl[1:] != dl[:-1])  # the step changes inside a run
+        starts = np.concatenate([[0], np.flatnonzero(brk) + 1]).astype(np.int64)
         lengths = np.diff(np.concatenate([starts, [c.size]])).astype(np.int64)
-        return cls(c[starts], l[starts], lengths)
+        step = np.where(lengths > 1, np.concatenate([dl, [1]])[starts], 1).astype(np.int64)
+        return cls(c[starts], l[starts], lengths, step)
+
+    @classmethod
+    def merged(cls, parts: Sequence["Runs"]) -> "Runs":
+        """One map from disjoint maps (e.g. runs found chunk by chunk), sorted by canonical start."""
+        parts = [r for r in parts if r.canon.size]
+        if not parts:
+            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        fields = [np.concatenate([getattr(r, f) for r in parts]) for f in ("canon", "local", "length", "step")]
+        order = np.argsort(fields[0], kind="stable")
+        return cls(*(f[order] for f in fields))
 
     @property
     def numel(self) -> int:
@@ -78,7 +99,7 @@ class Runs:
         """All (canonical, local) pairs in view order (O(held elements); for tests and gathers)."""
         rep = np.repeat(np.arange(self.length.size), self.length)
         k = np.arange(self.numel, dtype=np.int64) - np.repeat(self.view_start, self.length)
-        return self.canon[rep] + k, self.local[rep] + k
+        return self.canon[rep] + k, self.local[rep] + k * self.step[rep]
 
     def select(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For sorted canonical ``positions``: (held mask, view index, local index) of the held ones."""
@@ -87,20 +108,21 @@ class Runs:
         rr = np.maximum(r, 0)
         held = (r >= 0) & (pos < self.canon[rr] + self.length[rr]) if self.canon.size else np.zeros(pos.size, bool)
         k = pos[held] - self.canon[rr[held]]
-        return held, self.view_start[rr[held]] + k, self.local[rr[held]] + k
+        return held, self.view_start[rr[held]] + k, self.local[rr[held]] + k * self.step[rr[held]]
 
     def view_to_local(self, view: np.ndarray) -> np.ndarray:
         """Engine-local flat index of view indices ``view``."""
-        return self._from_view(view, self.local)
+        return self._from_view(view, self.local, self.step)
 
     def view_to_canon(self, view: np.ndarray) -> np.ndarray:
         """Canonical flat index of view indices ``view``."""
-        return self._from_view(view, self.canon)
+        return self._from_view(view, self.canon, None)
 
-    def _from_view(self, view: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    def _from_view(self, view: np.ndarray, starts: np.ndarray, step: np.ndarray | None) -> np.ndarray:
         v = np.asarray(view, np.int64)
         r = np.searchsorted(self.view_start, v, side="right") - 1
-        return starts[r] + (v - self.view_start[r])
+        k = v - self.view_start[r]
+        return starts[r] + (k if step is None else k * step[r])
 
 
 @dataclass(frozen=True)
@@ -133,10 +155,6 @@ class TensorPlacement:
 RankPlacement = Mapping[str, TensorPlacement]
 """Canonical name -> placement, for one engine rank."""
 
-Loader = Callable[[torch.Tensor, torch.Tensor], None]
-"""``load(probe_buffer, iota)``: the engine's loader writing ``iota`` into ``probe_buffer``."""
-
-
 Fills = dict
 """Engine param name -> list of ``(local flat positions, values)`` a loader wrote as constants
 (vLLM zero-fills vocab padding rows): what a fresh load leaves at positions no canonical element has."""
@@ -145,23 +163,27 @@ Fills = dict
 def fills_outside_views(fills: Fills, placement: RankPlacement) -> Fills:
     """The constants of ``fills`` at positions no canonical element of ``placement`` lands on (a
     loader that clears a whole fused param before writing its slot must not clear the other slots
-    after a resync); cost ∝ constants and runs, never a pass over the params."""
+    after a resync); cost ∝ constants and runs, never a pass over the params (a param with
+    strided runs, a transpose, costs a pass over its held elements)."""
     out: Fills = {}
     for param, entries in fills.items():
         runs = [tp.runs for tp in placement.values() if tp.param == param]
-        starts = np.concatenate([r.local for r in runs]) if runs else np.zeros(0, np.int64)
-        ends = starts + (np.concatenate([r.length for r in runs]) if runs else 0)
-        order = np.argsort(starts, kind="stable")
-        starts, ends = starts[order], ends[order]
-        kept = []
-        for pos, values in entries:
-            at = np.searchsorted(starts, pos, side="right") - 1
-            inside = (at >= 0) & (pos < ends[np.maximum(at, 0)]) if starts.size else np.zeros(pos.size, bool)
-            if (~inside).any():
-                kept.append((pos[~inside], values[~inside]))
+        kept = [(pos[~m], values[~m]) for pos, values in entries for m in [_held(runs, pos)] if (~m).any()]
         if kept:
             out[param] = kept
     return out
+
+
+def _held(runs: Sequence[Runs], pos: np.ndarray) -> np.ndarray:
+    """Which local positions ``pos`` some run of ``runs`` lands on."""
+    if any(np.any(r.step != 1) for r in runs):
+        return np.isin(pos, np.concatenate([r.expand()[1] for r in runs]))
+    starts = np.concatenate([r.local for r in runs]) if runs else np.zeros(0, np.int64)
+    ends = starts + (np.concatenate([r.length for r in runs]) if runs else 0)
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    at = np.searchsorted(starts, pos, side="right") - 1
+    return (at >= 0) & (pos < ends[np.maximum(at, 0)]) if starts.size else np.zeros(pos.size, bool)
 
 
 def view_delta(delta: SparseDelta, runs: Runs) -> SparseDelta:
@@ -170,44 +192,6 @@ def view_delta(delta: SparseDelta, runs: Runs) -> SparseDelta:
     held, view, _ = runs.select(delta.positions)
     old = None if delta.old_bits is None else delta.old_bits[held]
     return SparseDelta(delta.name, delta.dtype, (runs.numel,), view, delta.new_bits[held], old)
-
-
-def probe_tensor(name: str, shape: Sequence[int], param: str, param_shape: Sequence[int], load: Loader,
-                 dtype: torch.dtype = torch.int64, device: str | torch.device = "cpu",
-                 fills: Fills | None = None) -> TensorPlacement | None:
-    """Probe one loader call with an iota tensor; None if the rank holds no element of ``name``.
-
-    Args:
-        name: canonical tensor name; ``shape`` its canonical shape.
-        param: engine param name; ``param_shape`` its local shape.
-        load: the engine's loader call (see :data:`Loader`).
-        dtype: probe dtype: ``int64`` (exact for any size) or ``float64`` (exact below 2**53).
-        device: where the probe buffer lives (the param's device).
-        fills: if given, constants the loader wrote (values < 1 other than the -1 filler) are
-            added to it under ``param``.
-
-    Raises:
-        PlacementError: a written value is not a canonical index or lands twice.
-    """
-    numel = int(np.prod(shape)) if len(shape) else 1
-    buf = torch.full(tuple(param_shape), -1, dtype=dtype, device=device)
-    load(buf, torch.arange(1, numel + 1, dtype=dtype, device=device).reshape(tuple(shape)))
-    flat = buf.reshape(-1)
-    if fills is not None:
-        const = torch.nonzero((flat < 1) & (flat != -1)).reshape(-1)
-        if const.numel():
-            fills.setdefault(param, []).append((const.cpu().numpy(), flat[const].cpu().numpy()))
-    local = torch.nonzero(flat >= 1).reshape(-1)
-    values = flat[local]
-    if values.dtype.is_floating_point and not torch.equal(values, values.round()):
-        raise PlacementError(f"{name} -> {param}: the loader changed values (not a plain copy)")
-    canon = values.to(torch.int64).cpu().numpy() - 1
-    if canon.size and canon.max() >= numel:
-        raise PlacementError(f"{name} -> {param}: values outside [0, {numel}) in the probe")
-    if not canon.size:
-        return None
-    return TensorPlacement(name, tuple(shape), param, tuple(param_shape),
-                           Runs.from_pairs(canon, local.cpu().numpy()))
 
 
 def assign_primary(ranks: Sequence[RankPlacement]) -> list[dict[str, TensorPlacement]]:
@@ -235,8 +219,10 @@ def _intervals(mask: np.ndarray) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2]))
 
 
-def check_coverage(ranks: Sequence[RankPlacement], shapes: Mapping[str, Sequence[int]]) -> None:
-    """Every canonical element is held by some rank, and every placement names a known tensor.
+def check_coverage(ranks: Sequence[RankPlacement], shapes: Mapping[str, Sequence[int]],
+                   skipped: Mapping[str, str] | None = None) -> None:
+    """Every canonical element is held by some rank (or its tensor is named in ``skipped``, the
+    tensors the engine's loader deliberately does not load), and every placement names a known tensor.
 
     Raises:
         PlacementError: naming the tensors with unknown names or uncovered elements.
@@ -245,122 +231,21 @@ def check_coverage(ranks: Sequence[RankPlacement], shapes: Mapping[str, Sequence
     if unknown:
         raise PlacementError(f"placements for unknown tensors {unknown[:5]}; known: {sorted(shapes)[:5]}...")
     for name, shape in shapes.items():
+        if skipped and name in skipped:
+            continue
         held = sum(sum(n for _, n in r[name].primary) for r in ranks if name in r)
         if held != int(np.prod(shape)):
             raise PlacementError(f"{name}: engine ranks hold {held} of {int(np.prod(shape))} elements")
-
-
-@dataclass(frozen=True)
-class LoaderCall:
-    """One call the engine's ``load_weights`` made for a canonical tensor.
-
-    Attributes:
-        param: engine param name.
-        args: positional arguments after ``(param, loaded_weight)``.
-        kwargs: keyword arguments (``shard_id``, ``expert_id``, ...).
-    """
-
-    param: str
-    args: tuple = ()
-    kwargs: tuple[tuple[str, object], ...] = ()
-
-
-def record_loader_calls(model: torch.nn.Module, names: Iterable[tuple[str, Sequence[int]]],
-                        set_loader: Callable[[torch.nn.Parameter, Callable], Callable]) -> dict[str, list[LoaderCall]]:
-    """Run ``model.load_weights`` on zero tensors (in the model's dtype, so the engine has nothing
-    to convert or warn about) with every param's loader replaced by a recorder.
-
-    Args:
-        model: module with ``load_weights(iterable of (name, tensor))`` (the vLLM contract).
-        names: canonical (name, shape) pairs to route.
-        set_loader: installs a loader on a param and returns the previous one.
-
-    Returns:
-        Canonical name -> the loader calls ``load_weights`` made for it (empty: not on this rank).
-    """
-    params = dict(model.named_parameters())
-    dtype = next(iter(params.values())).dtype if params else torch.float32
-    calls: dict[str, list[LoaderCall]] = {}
-    current = [""]
-
-    def recorder_for(pname: str):
-        def record(*args, **kwargs):
-            # ``(param, loaded_weight, *rest)``, positional or by keyword (vLLM's MoE loader)
-            for i, key in enumerate(("param", "loaded_weight")):
-                if len(args) <= i:
-                    kwargs.pop(key, None)
-            calls.setdefault(current[0], []).append(LoaderCall(pname, args[2:], tuple(sorted(kwargs.items()))))
-            return True  # MoE loaders are asked ``return_success=True``
-        return record
-
-    saved = {p: set_loader(param, recorder_for(p)) for p, param in params.items()}
-    try:
-        for name, shape in names:
-            current[0] = name
-            calls.setdefault(name, [])
-            model.load_weights([(name, torch.zeros(tuple(shape), dtype=dtype))])
-    finally:
-        for p, param in params.items():
-            set_loader(param, saved[p])
-    return calls
-
-
-def probe_model(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
-                calls: Mapping[str, Sequence[LoaderCall]], get_loader: Callable[[torch.nn.Parameter], Callable],
-                dtype: torch.dtype = torch.int64, fills: Fills | None = None,
-                device: str | torch.device | None = None) -> dict[str, TensorPlacement]:
-    """Probe every recorded loader call; the param's data is swapped for the probe buffer meanwhile.
-
-    Args:
-        model: the engine's module (its params keep their bits: only ``.data`` is swapped).
-        shapes: canonical name -> canonical shape.
-        calls: from :func:`record_loader_calls`.
-        get_loader: the param's real loader (``param.weight_loader`` or a default).
-        dtype: probe dtype (see :func:`probe_tensor`).
-        fills: collects the constants loaders write (see :func:`probe_tensor`).
-        device: where the probe buffers live (default: each param's device).  ``"cpu"`` keeps the
-            transient buffers (8 bytes per element of the probed param, one at a time) off a GPU
-            whose memory the engine has already reserved; the loaders then copy on the host.
-
-    Returns:
-        Canonical name -> placement, for the tensors this rank holds.
-    """
-    params = dict(model.named_parameters())
-    out: dict[str, TensorPlacement] = {}
-    for name, cs in calls.items():
-        for c in cs:
-            param = params[c.param]
-            tp = probe_tensor(name, shapes[name], c.param, tuple(param.shape),
-                              _swapped(param, get_loader(param), c), dtype, device or param.device, fills)
-            if tp is None:
-                continue
-            if name in out:
-                raise PlacementError(f"{name} lands in two params: {out[name].param} and {c.param}")
-            out[name] = tp
-    return out
-
-
-def _swapped(param: torch.nn.Parameter, loader: Callable, call: LoaderCall) -> Loader:
-    def load(buf: torch.Tensor, iota: torch.Tensor) -> None:
-        saved, grad = param.data, param.requires_grad
-        param.requires_grad_(False)  # an integer probe buffer cannot back a param that requires grad
-        param.data = buf
-        try:
-            loader(param, iota, *call.args, **dict(call.kwargs))
-        finally:
-            param.data = saved
-            param.requires_grad_(grad)
-    return load
 
 
 def placement_to_json(placement: RankPlacement) -> dict:
     """A JSON-able form of one rank's placement (lists of ints; sent between driver and workers)."""
     return {n: dict(shape=list(tp.shape), param=tp.param, param_shape=list(tp.param_shape),
                     canon=tp.runs.canon.tolist(), local=tp.runs.local.tolist(), length=tp.runs.length.tolist(),
-                    primary=[list(p) for p in tp.primary]) for n, tp in placement.items()}
+                    step=tp.runs.step.tolist(), primary=[list(p) for p in tp.primary]) for n, tp in placement.items()}
 
 
-_JSON_KEYS = ("shape", "param", "param_shape", "canon", "local", "length", "primary")
+_JSON_KEYS = ("shape", "param", "param_shape", "canon", "local", "length", "step", "primary")
 
 
 def placement_from_json(obj: Mapping) -> dict[str, TensorPlacement]:
@@ -376,9 +261,9 @@ def placement_from_json(obj: Mapping) -> dict[str, TensorPlacement]:
         if not isinstance(o, Mapping) or sorted(o) != sorted(_JSON_KEYS):
             raise PlacementError(f"placement of {n}: keys {sorted(o) if isinstance(o, Mapping) else o!r}, "
                                  f"expected {sorted(_JSON_KEYS)}")
-        if not len(o["canon"]) == len(o["local"]) == len(o["length"]):
-            raise PlacementError(f"placement of {n}: canon, local and length differ in length")
-        runs = Runs(np.array(o["canon"], np.int64), np.array(o["local"], np.int64), np.array(o["length"], np.int64))
+        if not len(o["canon"]) == len(o["local"]) == len(o["length"]) == len(o["step"]):
+            raise PlacementError(f"placement of {n}: canon, local, length and step differ in length")
+        runs = Runs(*(np.array(o[k], np.int64) for k in ("canon", "local", "length", "step")))
         out[n] = TensorPlacement(n, tuple(o["shape"]), o["param"], tuple(o["param_shape"]), runs,
                                  tuple(tuple(p) for p in o["primary"]))
     return out

@@ -53,12 +53,14 @@ class ShardView:
 
     def gather(self) -> torch.Tensor:
         """The held elements in view order (shape ``(n,)``, param dtype), for reading only: a view
-        of the param when they are one run (no copy of a whole tensor per decode), else a copy."""
+        of the param when they are one contiguous run (no copy of a whole tensor per decode), else
+        a copy."""
         flat = self.param.detach().reshape(-1)
         r = self.runs
         if r.length.size <= _GATHER_RUNS:
-            parts = [flat[int(s):int(s) + int(n)] for s, n in zip(r.local, r.length)]
-            if len(parts) == 1:
+            parts = [flat[int(s):int(s) + (int(n) - 1) * int(k) + 1:int(k)]
+                     for s, n, k in zip(r.local, r.length, r.step)]
+            if len(parts) == 1 and parts[0].is_contiguous():
                 return parts[0]
             return torch.cat(parts) if parts else flat[:0].clone()
         if on_host(flat):

@@ -150,6 +150,12 @@ class DcrConfig:
     fp8_keep: list[str] | None = None
     """``engine_format: fp8``: name patterns (fnmatch, canonical names) of 2-D weights kept in
     BF16; None: the convention's (embeddings, lm_head, norms, MoE router, biases)."""
+    preflight: bool = True
+    """On the first sync (``DeltaRefit.attach``), every engine compares everything it holds (params,
+    buffers, derived tensors) with its own dense load of the same weights (its loader and post-load
+    processing; for vLLM an in-place reload), and ``attach`` raises ``PreflightError`` naming what
+    differs.  Costs about one dense load and two hashes of the engine's weights, once per job;
+    false skips it.  ``nemo-dcr check-engine`` runs the stronger check against a fresh engine."""
     engine_index: bool = True
     """Engines keep a ``dcr`` class index of the tensors they hold between versions (host memory,
     about 2.3 bytes per element of the tensors that receive ``dcr`` records, ~1.15x a BF16 shard),

@@ -38,7 +38,7 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-from nemo_dcr.apply import Engine
+from nemo_dcr.apply import Engine, PreflightError
 from nemo_dcr.apply.placement import placement_from_json
 from nemo_dcr.capture import BaselineStore, capture
 from nemo_dcr.codec.auth import read_key_file
@@ -158,13 +158,22 @@ class DeltaRefit:
         which tensors (if any) are sent: an engine loaded from the same weights costs no
         transfer, an empty engine gets everything, a resumed trainer sends what moved.
 
+        With ``dcr.preflight`` every engine then compares what it holds with its own dense load of
+        the same weights (:meth:`nemo_dcr.apply.Engine.preflight`).
+
         Raises:
             RuntimeError: the engine refused the first sync (its reason is in the message).
+            PreflightError: an engine differs from its own load of the attach weights.
         """
         t0 = time.perf_counter()
         report = self._read_weights()
         if not report.committed:
             raise RuntimeError(f"the engine refused the first sync: {'; '.join(report.detected)}")
+        if self.cfg.preflight:
+            clock = PhaseClock()
+            with clock(Phase.PREFLIGHT):
+                self._preflight()
+            report = replace(report, times={**report.times, **clock.seconds})
         return self._finish(report, None, t0)
 
     def _read_weights(self) -> RefitReport:
@@ -183,6 +192,17 @@ class DeltaRefit:
             self._checksums = self.source.checksums()
         report = self.sender.attach(pieces, self._checksums)
         return replace(report, times={**clock.seconds, **report.times})
+
+    def _preflight(self) -> None:
+        """Every engine against its own dense load of what it now holds (``dcr.preflight``).
+
+        Raises:
+            PreflightError: naming what differs, on which engine rank.
+        """
+        failed = [f"engine rank {e}: {r.reason}" for e, r in zip(self.wiring.engine_ranks, self.sender.query(Ask.PREFLIGHT))
+                  if not r.ok]
+        if failed:
+            raise PreflightError(failed)
 
     def _route_by_placement(self) -> None:
         """Ask the engines where they hold each canonical element; route records per engine rank

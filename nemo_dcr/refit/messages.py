@@ -43,7 +43,9 @@ class Ask(str, Enum):
     SAMPLED = "sampled"
     """Checksums of one slice of every tensor recomputed from the live tensors (the query's
     ``sample``, :class:`~nemo_dcr.verify.sample.Sample`); the kept values are not changed."""
-
+    PREFLIGHT = "preflight"
+    """Compare everything the engine holds with its own dense load of the same weights; the reply
+    is ``ok`` when they are bit-identical, else names the differences (``reason``)."""
 
 def _object(data: bytes, what: str, keys: tuple[str, ...]) -> dict:
     try:

@@ -91,6 +91,10 @@ class EngineServer:
     def _state(self, query: Query) -> EngineReply:
         if query.ask == Ask.PLACEMENT:
             return EngineReply(True, self.engine.version, placement=self.engine.placement(), query=query)
+        if query.ask == Ask.PREFLIGHT:
+            diffs = self.engine.preflight()
+            reason = f"PreflightError: {len(diffs)} differ: " + "; ".join(diffs)[:1500] if diffs else ""
+            return EngineReply(not diffs, self.engine.version, reason=reason, query=query)
         ck = self.engine.checksums(full=query.ask in (Ask.FULL, Ask.DIGESTS), sample=query.sample)
         dg = self.engine.digests() if query.ask == Ask.DIGESTS else {}
         return EngineReply(True, self.engine.version, checksums=ck.canonical, digests=dg, views=ck.views, query=query)

@@ -61,6 +61,9 @@ class Phase(str, Enum):
     VERIFY = "verify"
     """``RefitSender``: committing the mirror after the engines acknowledged and comparing trainer
     and engine checksums (also the recovery's checksum query) (in the total)."""
+    PREFLIGHT = "preflight"
+    """``DeltaRefit.attach`` with ``dcr.preflight``: every engine compares what it holds with its
+    own dense load of the same weights (in the total)."""
     COMMIT = "commit"
     """``DeltaRefit``: moving the capture baseline to the committed version (in the total)."""
 

@@ -20,6 +20,7 @@ COMMANDS = {
     "inspect": "checkpoint_cmds",
     "make-deltas": "make_deltas",
     "check-layout": "check_layout",
+    "check-engine": "check_engine",
     "demo": "demo",
     "report": "report_cmd",
     "chaos": "chaos",

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.apply import TensorEngine
-from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
+from nemo_dcr.apply.placement import assign_primary
+from nemo_dcr.apply.probe import probe_engine
 from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 
 KEY = b"routing-test-key-0123456789abcdef"
 TP = 2
 D = StandinDims()
-SHAPES = canonical_shapes(D)
 BIG = StandinDims(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=96, experts=4, moe_ffn=32)
 """The stand-in of the multi-trainer run (about 60k elements)."""
 
@@ -47,8 +47,7 @@ def placements(d: StandinDims = D) -> list[dict]:
     out, shapes = [], canonical_shapes(d)
     for r in range(TP):
         model = StandinModel(d, TP, r)
-        calls = record_loader_calls(model, shapes.items(), _set_loader)
-        out.append(probe_model(model, shapes, calls, lambda p: p.weight_loader))
+        out.append(probe_engine(model, shapes, _set_loader).placement)
     return assign_primary(out)
 
 

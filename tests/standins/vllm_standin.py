@@ -209,3 +209,60 @@ class StandinModel(nn.Module):
                     params[name].weight_loader(params[name], w)
             loaded.add(name)
         return loaded
+
+
+class StandinTruthModel(StandinModel):
+    """:class:`StandinModel` plus the loader patterns that defeat a naive probe (a stand-in, not vLLM):
+
+    * ``layers.0.mixer.A`` (fp32) loaded as ``-exp(A_log)`` through a composed loader, as vLLM's
+      Mamba2 mixer does (a value transform);
+    * ``layers.1.mlp.router_experts.w13`` written by ``load_weights`` itself with ``param.copy_`` of
+      the transposed checkpoint tensor ``[E, H, 2I]``, bypassing ``weight_loader``, as gpt-oss does;
+    * ``model.mtp.0.weight`` in the checkpoint, which ``load_weights`` skips (an MTP layer);
+    * ``layers.0.self_attn.W_T``, a transposed copy of ``o_proj`` made by the attention module's
+      ``process_weights_after_loading`` (a derived tensor, like MLA's ``W_UV``).
+    """
+
+    def __init__(self, d: StandinDims = StandinDims(), tp: int = 1, rank: int = 0):
+        super().__init__(d, tp, rank)
+        self.d = d
+        mixer = nn.Module()
+        mixer.A = nn.Parameter(torch.zeros(d.heads, dtype=torch.float32), requires_grad=False)
+
+        def a_loader(param, loaded):
+            param.data.copy_(loaded)
+            param.data.copy_(-torch.exp(param.data.float()))
+        mixer.A.weight_loader = a_loader
+        self.layers[0].mixer = mixer
+        experts = nn.Module()
+        experts.w13 = nn.Parameter(torch.zeros(d.experts, 2 * d.moe_ffn, d.hidden, dtype=torch.bfloat16),
+                                   requires_grad=False)
+        self.layers[1].mlp.router_experts = experts
+        attn = self.layers[0].self_attn
+        attn.W_T = nn.Parameter(torch.zeros(attn.o_proj.weight.shape[::-1], dtype=torch.bfloat16), requires_grad=False)
+        attn.process_weights_after_loading = lambda: attn.W_T.data.copy_(attn.o_proj.weight.data.T)
+
+    def load_weights(self, weights) -> set[str]:
+        rest, loaded = [], set()
+        params = {"model." + n: p for n, p in self.named_parameters()}
+        for name, w in weights:
+            if name.startswith("model.mtp."):
+                continue
+            if name.endswith("mixer.A_log"):
+                p = params[name.replace("A_log", "A")]
+                p.weight_loader(p, w)
+            elif name.endswith("router_experts.gate_up_proj"):
+                params[name.replace("gate_up_proj", "w13")].copy_(w.transpose(-1, -2))
+            else:
+                rest.append((name, w))
+                continue
+            loaded.add(name)
+        return loaded | super().load_weights(rest)
+
+
+def truth_shapes(d: StandinDims = StandinDims()) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes :class:`StandinTruthModel` is given (its skipped MTP weight included)."""
+    out = dict(canonical_shapes(d))
+    out.update({"model.layers.0.mixer.A_log": (d.heads,), "model.mtp.0.weight": (d.hidden, d.hidden),
+                "model.layers.1.mlp.router_experts.gate_up_proj": (d.experts, d.hidden, 2 * d.moe_ffn)})
+    return out

@@ -33,7 +33,8 @@ def _engines():
 
 
 def test_the_protocol_has_the_members_the_docs_list():
-    assert MEMBERS == ["checksums", "commit", "digests", "placement", "prepare", "rollback", "serving", "version"]
+    assert MEMBERS == ["checksums", "commit", "digests", "placement", "preflight", "prepare", "rollback", "serving",
+                       "version"]
 
 
 @pytest.mark.parametrize("cls", _engines(), ids=lambda c: c.__name__)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nemo_dcr.apply import InjectedFault, TensorEngine
-from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
+from nemo_dcr.apply.placement import assign_primary
+from nemo_dcr.apply.probe import probe_engine
 from nemo_dcr.config.schema import ConfigError, DcrConfig
 from nemo_dcr.integrations.vllm.worker import get_loader, set_loader
 from nemo_dcr.refit import DeltaRefit, EngineServer, engine_wiring
@@ -80,7 +81,7 @@ def test_relay_groups_hold_replicas_of_one_view_only():
     shapes = canonical_shapes(d)
     weights = {n: torch.randn(s, generator=torch.Generator().manual_seed(0)).bfloat16() for n, s in shapes.items()}
     models = [StandinModel(d, 2, r % 2) for r in range(4)]  # replica-major: TP ranks 0, 1, 0, 1
-    probed = [probe_model(m, shapes, record_loader_calls(m, shapes.items(), set_loader), get_loader) for m in models]
+    probed = [probe_engine(m, shapes, set_loader).placement for m in models]
     for m in models:
         m.load_weights(weights.items())  # the engines hold the trainer's weights: attach sends nothing
     engines = [TensorEngine({n: p.data for n, p in m.named_parameters()}, key=KEY, placement=pl)

@@ -1,6 +1,8 @@
-"""Placement by probing loaders with iota tensors, on the CPU stand-in of vLLM's loader contract
-(``tests.standins.vllm_standin``, not vLLM): the probed map must agree with what the loaders
-really do to real tensors, cover every canonical element once, and skip vocab padding."""
+"""Placement by probing the engine's own ``load_weights`` with iota and value tensors, on the CPU
+stand-in of vLLM's loader contract (``tests.standins.vllm_standin``, not vLLM): the probed map
+must agree with what the loaders really do to real tensors, cover every canonical element once,
+and skip vocab padding; tensors loaded through a value transform are found and reloaded, direct
+writes that bypass the loaders are placed, skipped tensors are named."""
 
 from __future__ import annotations
 
@@ -8,30 +10,22 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.apply.placement import (
-    PlacementError,
-    Runs,
-    assign_primary,
-    check_coverage,
-    probe_model,
-    probe_tensor,
-    record_loader_calls,
-)
-from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
+from nemo_dcr.apply.placement import PlacementError, Runs, assign_primary, check_coverage
+from nemo_dcr.apply.probe import SHADOW, Kind, probe_engine
+from nemo_dcr.apply.write_guard import record_writes
+from tests.standins.vllm_standin import StandinDims, StandinModel, StandinTruthModel, canonical_shapes, truth_shapes
 
 D = StandinDims()
 
 
 def _set_loader(param, fn):
-    old = param.weight_loader
+    old = getattr(param, "weight_loader", None)
     param.weight_loader = fn
     return old
 
 
-def _probe(model):
-    shapes = canonical_shapes(D)
-    calls = record_loader_calls(model, shapes.items(), _set_loader)
-    return probe_model(model, shapes, calls, lambda p: p.weight_loader)
+def _probe(model, shapes=None):
+    return probe_engine(model, shapes or canonical_shapes(D), _set_loader).placement
 
 
 def _weights(seed=0):
@@ -100,18 +94,90 @@ def test_runs_select_and_views():
     assert runs.view_to_canon(view).tolist() == [1, 6, 20]
 
 
-def test_probe_refuses_duplicates_and_value_changes():
-    def twice(buf, iota):
-        buf[0], buf[1] = iota[0], iota[0]
+def test_stepped_runs_map_a_transpose_one_run_per_row():
+    e, a, b = 2, 3, 4
+    canon = np.arange(e * a * b)
+    local = canon // (a * b) * (a * b) + canon % b * a + canon // b % a  # [E, A, B] stored as [E, B, A]
+    runs = Runs.from_pairs(canon, local)
+    assert runs.length.size <= e * a + 1 and set(runs.step.tolist()) <= {1, a}
+    c, l = runs.expand()
+    assert c.tolist() == canon.tolist() and l.tolist() == local.tolist()
+    assert runs.view_to_local(np.arange(canon.size)).tolist() == local.tolist()
+    held, view, loc = runs.select(np.array([5, 23]))
+    assert held.all() and loc.tolist() == local[[5, 23]].tolist()
 
-    with pytest.raises(PlacementError, match="two engine positions"):
-        probe_tensor("t", (4,), "p", (4,), twice)
 
-    def scaled(buf, iota):
-        buf.copy_(iota * 0.5)
+class _Twice(torch.nn.Module):
+    """A loader that writes one canonical element at two positions, and one that scales."""
 
-    with pytest.raises(PlacementError, match="changed values"):
-        probe_tensor("t", (4,), "p", (4,), scaled, dtype=torch.float64)
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+        self.s = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+        self.w.weight_loader = lambda p, x: (p.data.copy_(x), p.data.__setitem__(1, x[0]))
+        self.s.weight_loader = lambda p, x: p.data.copy_(x * 2)
+
+    def load_weights(self, weights):
+        for name, x in weights:
+            p = getattr(self, name)
+            p.weight_loader(p, x)
+        return set()
+
+
+def test_an_element_landing_twice_and_a_scaling_loader_are_transforms():
+    probe = probe_engine(_Twice(), {"w": (4,), "s": (4,)}, _set_loader)
+    assert probe.reload == {"s": ("s",), "w": ("w",)} and probe.placement["s"].param == SHADOW + "s"
+    assert probe.params["s"].kind == probe.params["w"].kind == Kind.TRANSFORMED and probe.refusals == {}
+
+
+def _truth(tp=2, rank=1, seed=0):
+    model = StandinTruthModel(D, tp, rank)
+    g = torch.Generator().manual_seed(seed)
+    weights = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in truth_shapes(D).items()}
+    model.load_weights(weights.items())
+    return model, weights
+
+
+def test_recording_sees_direct_writes_and_writes_nothing():
+    model, _ = _truth()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    writes = record_writes(model, truth_shapes(D), _set_loader)
+    gate_up = writes["model.layers.1.mlp.router_experts.gate_up_proj"]
+    assert gate_up.loader == () and gate_up.direct == ("layers.1.mlp.router_experts.w13",)
+    assert writes["model.layers.0.mixer.A_log"].loader == ("layers.0.mixer.A",)
+    assert writes["model.mtp.0.weight"].params == ()
+    assert all(torch.equal(p.view(torch.uint8), before[n].view(torch.uint8)) for n, p in model.named_parameters())
+
+
+def test_transforms_bypasses_and_skipped_tensors_are_classified():
+    model, weights = _truth()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    probe = probe_engine(model, truth_shapes(D), _set_loader)
+    assert all(torch.equal(p.view(torch.uint8), before[n].view(torch.uint8)) for n, p in model.named_parameters())
+    assert probe.skipped == {"model.mtp.0.weight": "the engine's load_weights loads nothing of it"}
+    assert probe.refusals == {}
+    assert probe.reload == {"model.layers.0.mixer.A_log": ("layers.0.mixer.A",)}  # -exp(A_log): a transform
+    assert probe.params["layers.0.mixer.A"].kind == Kind.TRANSFORMED
+    assert probe.params["layers.0.self_attn.W_T"].kind == Kind.UNWRITTEN  # derived: the vLLM side finds it
+    experts = probe.placement["model.layers.1.mlp.router_experts.gate_up_proj"]  # written by param.copy_
+    assert experts.param == "layers.1.mlp.router_experts.w13" and probe.params[experts.param].kind == Kind.IN_PLACE
+    assert experts.runs.length.size < experts.numel // 4  # a transpose: runs of rows, not of elements
+    live = dict(model.named_parameters())
+    for name, tp_ in probe.placement.items():
+        if tp_.param.startswith(SHADOW):
+            continue
+        canon, local = tp_.runs.expand()
+        got = live[tp_.param].detach().reshape(-1).view(torch.int16)[torch.from_numpy(local)]
+        assert torch.equal(got, weights[name].reshape(-1).view(torch.int16)[torch.from_numpy(canon)]), name
+
+
+def test_probe_cost_is_one_load_per_tensor_plus_two_per_group():
+    model = StandinModel(D, tp=1, rank=0)
+    probe = probe_engine(model, canonical_shapes(D), _set_loader)
+    groups = len({tp_.param for tp_ in probe.placement.values()})  # here each group is one param
+    assert probe.stats.load_calls == len(canonical_shapes(D)) + 2 * groups  # all experts of w13 in one call
+    w13 = dict(model.named_parameters())["layers.1.mlp.experts.w13_weight"]
+    assert probe.stats.peak_bytes <= 12 * w13.numel() + 10 * D.vocab * D.hidden  # ~ one param's buffers
 
 
 def test_probing_leaves_live_params_untouched():

@@ -9,10 +9,11 @@ import threading
 import pytest
 import torch
 
-from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
+from nemo_dcr.apply.placement import assign_primary
+from nemo_dcr.apply.probe import probe_engine
 from nemo_dcr.apply import TensorEngine
 from nemo_dcr.config.schema import DcrConfig
-from nemo_dcr.integrations.vllm.worker import get_loader, set_loader
+from nemo_dcr.integrations.vllm.worker import set_loader
 from nemo_dcr.refit import DeltaRefit, EngineServer, engine_wiring
 from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import LocalGroup, TransportGroup
@@ -100,7 +101,7 @@ def test_a_replica_that_missed_a_version_is_found_by_its_own_view_checksums():
     g = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
     models = [StandinModel(D, 2, r) for r in range(2)]
-    probed = [probe_model(m, shapes, record_loader_calls(m, shapes.items(), set_loader), get_loader) for m in models]
+    probed = [probe_engine(m, shapes, set_loader).placement for m in models]
     placements = assign_primary(probed)
     hub = InProcHub(3)
     servers = [EngineServer(TensorEngine({n: p.data for n, p in m.named_parameters()}, key=KEY, placement=pl),

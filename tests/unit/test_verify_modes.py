@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from nemo_dcr.apply import TensorEngine
-from nemo_dcr.apply.placement import assign_primary, probe_model, record_loader_calls
+from nemo_dcr.apply.placement import assign_primary
+from nemo_dcr.apply.probe import probe_engine
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.integrations.vllm.worker import get_loader, set_loader
 from nemo_dcr.refit import DeltaRefit, EngineServer, colocated_wiring, engine_wiring
@@ -110,7 +111,7 @@ def test_a_stray_write_in_a_replica_is_caught_by_that_rank_alone(mode):
     g = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
     models = [StandinModel(dims, 2, r) for r in range(2)]
-    probed = [probe_model(m, shapes, record_loader_calls(m, shapes.items(), set_loader), get_loader) for m in models]
+    probed = [probe_engine(m, shapes, set_loader).placement for m in models]
     hub = InProcHub(3)
     servers = [EngineServer(TensorEngine({n: p.data for n, p in m.named_parameters()}, key=KEY, placement=pl),
                             hub.transport(1 + r), [0]) for r, (m, pl) in enumerate(zip(models, assign_primary(probed)))]

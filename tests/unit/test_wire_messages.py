@@ -95,7 +95,7 @@ def test_store_frames_failing_their_mac_or_version_raise(tmp_path, frame_version
 
 def test_query_bytes():
     assert Query(Ask.FULL, 7).to_bytes() == b'{"ask": "full", "id": 7}'
-    assert [a.value for a in Ask] == ["state", "full", "digests", "placement", "sampled"]
+    assert [a.value for a in Ask] == ["state", "full", "digests", "placement", "sampled", "preflight"]
     assert Query.from_bytes(b'{"id": 3, "ask": "placement"}') == Query(Ask.PLACEMENT, 3)
     sampled = Query(Ask.SAMPLED, 8, Sample(12, 16, 256, 3))
     assert sampled.to_bytes() == (b'{"ask": "sampled", "id": 8, "sample": {"step": 12, "steps": 16, "block": 256, '
@@ -194,8 +194,8 @@ def test_placement_entries_are_refused_naming_the_tensor():
 
     with pytest.raises(PlacementError, match="placement of q: keys"):
         placement_from_json({"q": {"shape": [2]}})
-    entry = dict(shape=[4], param="p", param_shape=[4], canon=[0, 2], local=[0], length=[2], primary=[])
-    with pytest.raises(PlacementError, match="placement of q: canon, local and length differ"):
+    entry = dict(shape=[4], param="p", param_shape=[4], canon=[0, 2], local=[0], length=[2], step=[1], primary=[])
+    with pytest.raises(PlacementError, match="placement of q: canon, local, length and step differ"):
         placement_from_json({"q": entry})
 
 

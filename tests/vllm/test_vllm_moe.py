@@ -45,7 +45,7 @@ def _naive_mismatches(worker, path: str) -> list[str]:
 
 def test_moe_refit_repacks_experts_and_matches_fresh_engine(tiny_moe, tmp_path):
     from nemo_dcr.integrations.vllm.engine import VllmEngine
-    from nemo_dcr.integrations.vllm.verify import engine_params, param_differences
+    from nemo_dcr.integrations.vllm.verify import engine_state, state_differences
 
     base = checkpoint_tensors(tiny_moe)
     target = perturbed(base)
@@ -68,12 +68,12 @@ def test_moe_refit_repacks_experts_and_matches_fresh_engine(tiny_moe, tmp_path):
         assert eng.checksums().canonical == {n: tensor_checksum(bits_view(t)) for n, t in target.items()}
         assert eng.checksums(full=True) == eng.checksums()
         assert eng.compare(target_dir) == {0: []}
-        refit, generated = engine_params(eng.llm), eng.generate(PROMPTS)
+        refit, generated = engine_state(eng.llm), eng.generate(PROMPTS)
         eng.load_weights(str(tiny_moe), 2)  # dense back to the base: loader layout, then repacked
-        dense = engine_params(eng.llm)
+        dense = engine_state(eng.llm)
     with VllmEngine.start(str(target_dir), key=KEY, **ENGINE_ARGS) as fresh:
-        assert param_differences(refit, engine_params(fresh.llm)) == []  # packed experts included
+        assert state_differences(refit, engine_state(fresh.llm)) == []  # packed experts included
         assert generated == (fresh.generate(PROMPTS)[0], 1)
     with VllmEngine.start(str(tiny_moe), key=KEY, **ENGINE_ARGS) as fresh:
-        assert param_differences(dense, engine_params(fresh.llm)) == []
+        assert state_differences(dense, engine_state(fresh.llm)) == []
     assert tokens_before != generated[0]

@@ -19,7 +19,7 @@ SMOLLM2 = dict(ENGINE_ARGS, hf_overrides={"architectures": ["LlamaForCausalLM"]}
 
 def test_smollm2_real_steps_match_fresh_engine(real_checkpoints):
     from nemo_dcr.integrations.vllm.engine import VllmEngine
-    from nemo_dcr.integrations.vllm.verify import engine_params, param_differences
+    from nemo_dcr.integrations.vllm.verify import engine_state, state_differences
 
     steps = [checkpoint_tensors(p) for p in real_checkpoints]
     with VllmEngine.start(str(real_checkpoints[0]), key=KEY, **SMOLLM2) as eng:
@@ -37,7 +37,7 @@ def test_smollm2_real_steps_match_fresh_engine(real_checkpoints):
                 assert eng.checksums().canonical == {n: tensor_checksum(bits_view(t)) for n, t in steps[v].items()}
         assert eng.checksums(full=True) == eng.checksums()
         assert eng.compare(real_checkpoints[2]) == {0: []}
-        refit, generated = engine_params(eng.llm), eng.generate(PROMPTS)
+        refit, generated = engine_state(eng.llm), eng.generate(PROMPTS)
     with VllmEngine.start(str(real_checkpoints[2]), key=KEY, **SMOLLM2) as fresh:
-        assert param_differences(refit, engine_params(fresh.llm)) == []
+        assert state_differences(refit, engine_state(fresh.llm)) == []
         assert generated == (fresh.generate(PROMPTS)[0], 2)

@@ -28,15 +28,15 @@ def _changed(base, target) -> int:
 def _fresh(model_dir, tp=1):
     """Params of every rank and greedy generations of a fresh engine loaded from ``model_dir``."""
     from nemo_dcr.integrations.vllm.engine import VllmEngine
-    from nemo_dcr.integrations.vllm.verify import engine_params
+    from nemo_dcr.integrations.vllm.verify import engine_state
 
     with VllmEngine.start(str(model_dir), tensor_parallel_size=tp, key=KEY, **ENGINE_ARGS) as eng:
-        return engine_params(eng.llm), eng.generate(PROMPTS)[0]
+        return engine_state(eng.llm), eng.generate(PROMPTS)[0]
 
 
 def test_dummy_engine_resync_then_delta_then_dense(tiny_llama, tmp_path):
     from nemo_dcr.integrations.vllm.engine import VllmEngine
-    from nemo_dcr.integrations.vllm.verify import engine_params, param_differences
+    from nemo_dcr.integrations.vllm.verify import engine_state, state_differences
 
     base = checkpoint_tensors(tiny_llama)
     target = perturbed(base)
@@ -55,15 +55,15 @@ def test_dummy_engine_resync_then_delta_then_dense(tiny_llama, tmp_path):
             assert r.changed == _changed(base, target)
         assert eng.checksums().canonical == _sums(target) == eng.checksums(full=True).canonical
         assert eng.compare(target_dir) == {0: []}
-        refit, generated = engine_params(eng.llm), eng.generate(PROMPTS)
+        refit, generated = engine_state(eng.llm), eng.generate(PROMPTS)
 
         assert eng.load_weights(str(tiny_llama), 3) == _sums(base) and eng.version == 3
-        dense = engine_params(eng.llm)
+        dense = engine_state(eng.llm)
     want, want_tokens = _fresh(target_dir)
-    assert param_differences(refit, want) == []
+    assert state_differences(refit, want) == []
     assert generated == (want_tokens, 2)
     base_params, base_tokens = _fresh(tiny_llama)
-    assert param_differences(dense, base_params) == []
+    assert state_differences(dense, base_params) == []
     assert base_tokens != want_tokens  # the generations compared above can tell the versions apart
 
 
@@ -83,7 +83,7 @@ def test_tp2_ranks_receive_own_parts_and_commit_together(tiny_llama, tmp_path):
     corrupted part for rank 1 makes rank 1 refuse and rank 0 roll back, the engine stays at its
     version and the trainer's recovery resync lands; then a clean delta; all vs a fresh engine."""
     from nemo_dcr.integrations.vllm.engine import VllmEngine
-    from nemo_dcr.integrations.vllm.verify import engine_params, param_differences
+    from nemo_dcr.integrations.vllm.verify import engine_state, state_differences
 
     base = checkpoint_tensors(tiny_llama)
     target = perturbed(base)
@@ -119,7 +119,7 @@ def test_tp2_ranks_receive_own_parts_and_commit_together(tiny_llama, tmp_path):
             assert {s for s, _, _ in seen} == {0, 1}
         assert eng.checksums().canonical == _sums(target) == eng.checksums(full=True).canonical
         assert eng.compare(target_dir) == {0: [], 1: []}
-        refit, generated = engine_params(eng.llm), eng.generate(PROMPTS)
+        refit, generated = engine_state(eng.llm), eng.generate(PROMPTS)
     want, want_tokens = _fresh(target_dir, tp=2)
-    assert param_differences(refit, want) == []
+    assert state_differences(refit, want) == []
     assert generated[0] == want_tokens and tokens_before != want_tokens

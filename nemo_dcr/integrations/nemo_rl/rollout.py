@@ -6,7 +6,7 @@ reference to the worker.  It finds the worker through the garbage collector's re
 (:func:`find_owner`), reads the canonical table NeMo-RL handed the worker before
 (``state_dict_info`` = ``{hf_name: (shape, dtype)}`` from ``prepare_refit_info``) and probes where
 each canonical element lives in ``model_runner.model`` with vLLM's own weight loaders
-(:func:`probe_worker`; :mod:`nemo_dcr.apply.placement`).
+(:func:`probe_worker`; :mod:`nemo_dcr.apply.probe`).
 
 :func:`build_engine` makes the worker's engine: a :class:`~nemo_dcr.apply.TensorEngine` over the
 live params and this rank's placement, applying each version transactionally in place (undo
@@ -23,8 +23,8 @@ import gc
 import time
 from typing import Any, Mapping
 
-from nemo_dcr.apply import TensorEngine
-from nemo_dcr.apply.placement import PlacementError, assign_primary, check_coverage, probe_model, record_loader_calls
+from nemo_dcr.apply import EngineRefusedError, TensorEngine
+from nemo_dcr.apply.placement import PlacementError, assign_primary, check_coverage
 from nemo_dcr.refit.server import EngineServer
 from nemo_dcr.transport import MessageKind, TransportError
 from nemo_dcr.transport.base import TransportTimeout
@@ -64,25 +64,33 @@ def probe_worker(worker: Any) -> tuple[dict, dict[str, tuple[str, tuple[int, ...
         yet), the canonical table, and the constants loaders write (``{param: [(pos, values)]}``).
 
     Raises:
-        RuntimeError: the worker lacks what NeMo-RL gives it, or its model's ``load_weights`` made
-            no loader call at all (a model that does not follow vLLM's loader contract).
+        RuntimeError: the worker lacks what NeMo-RL gives it, or its model's ``load_weights`` wrote
+            nothing at all (a model that does not follow vLLM's loader contract).
+        EngineRefusedError: a param cannot be refit in place by this engine (named, with why):
+            besides what the vLLM worker extension refuses, transformed, derived and prepacked
+            tensors, whose after-write steps only the extension runs.
     """
     info = getattr(worker, "state_dict_info", None)
     if not info:
         raise RuntimeError("the vLLM worker has no state_dict_info: NeMo-RL's prepare_refit_info (called by "
                            "init_communicator before the checkpoint engine is prepared) did not reach it")
-    from nemo_dcr.integrations.vllm.worker import get_loader, set_loader  # imports vllm's platform (if installed)
+    from nemo_dcr.integrations.vllm.worker import probe_vllm  # imports vllm's platform (if installed)
 
     model = worker.model_runner.model
     table = canonical_table(info)
     shapes = {n: s for n, (_, s) in table.items()}
-    calls = record_loader_calls(model, shapes.items(), set_loader)
-    if not any(calls.values()):
-        raise RuntimeError(f"{type(model).__name__}.load_weights called no weight loader for any of {len(shapes)} "
+    dtypes = {n: spec_of(d).torch_dtype for n, (d, _) in table.items()}
+    probe, derived, refused = probe_vllm(model, shapes, dtypes, getattr(worker, "vllm_config", None), device="cpu")
+    if not probe.placement:
+        raise RuntimeError(f"{type(model).__name__}.load_weights wrote nothing for any of {len(shapes)} "
                            "tensors: the model does not follow vLLM's weight-loader contract")
-    fills: dict = {}
-    placement = probe_model(model, shapes, calls, get_loader, fills=fills, device="cpu")  # off vLLM's GPU
-    return placement, table, fills
+    refused.update({n: "transformed by its loader: reloads need the vLLM worker extension" for n in probe.reload})
+    refused.update({g.module: "derives tensors after load: re-deriving needs the vLLM worker extension" for g in derived})
+    refused.update({n: f"{t.kind.value}: needs the vLLM worker extension" for n, t in probe.params.items()
+                    if t.kind.value == "rearranged"})
+    if refused:
+        raise EngineRefusedError(refused, "the NeMo-RL rollout worker")
+    return probe.placement, table, probe.fills
 
 
 def build_engine(worker: Any, probe: tuple, topo: Topology, rollout_rank: int, key: bytes,

@@ -7,10 +7,13 @@ in-place sparse refit:
   ``lm_head``) are repacked for oneDNN / the SGL kernel by
   ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``, and the ``weight``
   parameter is replaced by an empty tensor (``remove_weight=True``); a tied ``lm_head`` keeps its
-  own packed copy.  Edits of the parameter then change nothing the model computes.
-  :func:`run_linears_unpacked` replaces that dispatcher, for 2-D weights, by one that makes the
-  layer compute ``F.linear`` on its live ``weight`` (the fallback vLLM itself uses when oneDNN is
-  unavailable), so every parameter stays in place and a write is what the next forward reads.
+  own packed copy.  Edits of the parameter then change nothing the model computes.  The same
+  dispatcher repacks Mamba's causal-conv1d weights (``[dim, 1, width]``) into a new tensor on
+  CPUs with AVX512-BF16, leaving the param reshaped and its ``conv_weights`` view on the old data.
+  :func:`run_linears_unpacked` replaces that dispatcher by one that makes a 2-D layer compute
+  ``F.linear`` on its live ``weight`` (the fallback vLLM itself uses when oneDNN is unavailable)
+  and leaves causal-conv1d weights as loaded (vLLM's path on CPUs without AVX512-BF16), so every
+  parameter stays in place and a write is what the next forward reads.
 * **Fused MoE experts** (``w13_weight`` / ``w2_weight``) are prepacked by
   ``CPUUnquantizedExperts.process_weights_after_loading`` into the grouped-GEMM layout of the
   ``cpu_fused_moe`` kernel (same shape, elements permuted).  There is no unpacked CPU MoE kernel,
@@ -63,7 +66,10 @@ def run_linears_unpacked() -> None:
         return
 
     def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
-        if layer.weight.ndim != 2:  # conv / expert weights: vLLM's own handling
+        w = layer.weight
+        if w.ndim == 3 and w.size(1) == 1:  # causal-conv1d weights: kept as loaded (no prepack)
+            return None
+        if w.ndim != 2:  # expert weights: vLLM's own handling
             return original(layer, remove_weight)
         layer.cpu_linear = _linear
 

@@ -19,6 +19,10 @@ its placement:
   prepare to commit/rollback, so no generation runs on a mix of versions.
 * **Dense reference**: :meth:`VllmEngine.load_weights` refits the same engine through the
   model's own ``load_weights`` (what a benchmark compares the sparse refit against).
+* **Engine truth**: the probe classifies every param (in place, transformed, derived,
+  rearranged, unwritten; :attr:`VllmEngine.truth`); an engine with anything that cannot be refit
+  is refused before the first sync (:class:`~nemo_dcr.apply.EngineRefusedError`, naming the param
+  and why); :meth:`VllmEngine.preflight` compares every rank with vLLM's own reload of what it holds.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Sequence
 
-from nemo_dcr.apply import ApplyResult, EngineChecksums, Parts, RefitRefusedError, VersionGuard
+from nemo_dcr.apply import ApplyResult, EngineChecksums, EngineRefusedError, Parts, RefitRefusedError, VersionGuard
 from nemo_dcr.apply.contract import shard_parts
 from nemo_dcr.apply.guard import PendingSlot
 from nemo_dcr.apply.placement import assign_primary, check_coverage, placement_from_json, placement_to_json
@@ -68,6 +72,27 @@ def canonical_shapes(model_dir: str) -> dict[str, list[int]]:
     return {n: list(shape) for n, (_, shape) in list_tensors(model_dir).items()}
 
 
+def canonical_dtypes(model_dir: str) -> dict[str, str]:
+    """Canonical tensor dtypes (torch names, ``"bfloat16"``) of the checkpoint in ``model_dir``."""
+    from nemo_dcr.checkpoint import DTYPE_NAMES, list_tensors
+
+    names = {st: str(t).removeprefix("torch.") for t, st in DTYPE_NAMES.items()}
+    return {n: names[dtype] for n, (dtype, _) in list_tensors(model_dir).items()}
+
+
+def start_llm(model: str, tensor_parallel_size: int = 1, **llm_kwargs):
+    """``vllm.LLM`` on ``model`` with the worker extension (so the CPU patches hold in every
+    worker) and :data:`CPU_ENV`; defaults ``dtype="bfloat16"``, ``enforce_eager=True``,
+    ``max_model_len=512`` unless given.  Not attached: :class:`VllmEngine` probes and attaches."""
+    for k, v in CPU_ENV.items():
+        os.environ.setdefault(k, v)
+    import vllm
+
+    kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
+    return vllm.LLM(model=str(model), tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+                    **kwargs)
+
+
 class VllmEngine:
     """All TP ranks of one ``vllm.LLM`` as a refit engine (build it with :meth:`start`).
 
@@ -77,19 +102,30 @@ class VllmEngine:
         key: HMAC key every payload must carry.
         version: the version the loaded weights are.
         keep_index: every rank keeps ``dcr`` class indexes (``dcr.engine_index``).
+        dtypes: canonical tensor name -> torch dtype name (default ``bfloat16``).
+
+    Raises:
+        EngineRefusedError: some param, tensor or engine feature cannot be refit (names each, with
+            why); nothing was sent.
     """
 
     def __init__(self, llm, shapes: Mapping[str, Sequence[int]], key: bytes | None = None, version: int = 0,
-                 keep_index: bool = True):
+                 keep_index: bool = True, dtypes: Mapping[str, str] | None = None):
         self.llm = llm
         self.tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         if llm.llm_engine.vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("VllmEngine supports tensor parallelism only (pipeline_parallel_size must be 1)")
         self.shapes = {n: list(s) for n, s in shapes.items()}
         t0 = time.perf_counter()
-        self.probed = llm.collective_rpc("dcr_probe", args=(self.shapes,))
+        self.probed = llm.collective_rpc("dcr_probe", args=(self.shapes, dict(dtypes or {})))
+        refused = {f"rank {r}: {what}" if self.tp > 1 else what: why
+                   for r, p in enumerate(self.probed) for what, why in p["refused"].items()}
+        if refused:
+            raise EngineRefusedError(refused, f"vLLM engine ({type(self).__name__} of {self.tp} TP ranks)")
+        self.skipped = dict(set.intersection(*[set(p["skipped"].items()) for p in self.probed]))
+        """Canonical tensors no rank loads (named by the probe: the engine's loader skips them)."""
         ranks = assign_primary([placement_from_json(p["placement"]) for p in self.probed])
-        check_coverage(ranks, self.shapes)
+        check_coverage(ranks, self.shapes, self.skipped)
         self._placements = [placement_to_json(r) for r in ranks]
         t1 = time.perf_counter()
         llm.collective_rpc("dcr_attach", args=(self._placements, key, version, keep_index))
@@ -118,16 +154,15 @@ class VllmEngine:
             **llm_kwargs: more ``vllm.LLM`` arguments (``load_format="dummy"``, ``tokenizer``, ...);
                 defaults: ``dtype="bfloat16"``, ``enforce_eager=True``, ``max_model_len=512``.
         """
-        for k, v in CPU_ENV.items():
-            os.environ.setdefault(k, v)
-        import vllm
-
-        kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
         t0 = time.perf_counter()
-        llm = vllm.LLM(model=model, tensor_parallel_size=tensor_parallel_size,
-                       worker_extension_cls=WORKER_EXTENSION, **kwargs)
+        llm = start_llm(model, tensor_parallel_size, **llm_kwargs)
         load = time.perf_counter() - t0
-        engine = cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index)
+        try:
+            engine = cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index,
+                         canonical_dtypes(model) if shapes is None else None)
+        except BaseException:
+            llm.llm_engine.engine_core.shutdown()
+            raise
         engine.startup_seconds = {"load": load, **engine.startup_seconds}
         return engine
 
@@ -150,6 +185,22 @@ class VllmEngine:
         """Each TP rank's placement, one shard each (JSON form of :mod:`nemo_dcr.apply.placement`,
         primary holders assigned): what the engine reports to the refit path's placement query."""
         return [dict(p) for p in self._placements]
+
+    @property
+    def truth(self) -> list[dict[str, dict]]:
+        """Per TP rank, every engine param and buffer -> ``kind`` (in_place, transformed, derived,
+        rearranged, unwritten), ``sources``, ``how`` (see :mod:`nemo_dcr.apply.probe`)."""
+        return [p["params"] for p in self.probed]
+
+    def preflight(self) -> list[str]:
+        """Every rank's params, buffers and tensor attributes against vLLM's own in-place reload of
+        the canonical tensors it holds; returns the differences (``"rank R: ..."``), empty when
+        bit-identical.  The reload writes what a dense load would, so a difference means the refit
+        did not leave the engine as its own load of the same weights would (docs/engines.md)."""
+        self._pending.refuse("a preflight")
+        with self.guard.write():
+            per_rank = self.llm.collective_rpc("dcr_preflight")
+        return [f"rank {r}: {line}" for r, lines in enumerate(per_rank) for line in lines]
 
     def routes(self) -> dict[int, dict]:
         """TP rank -> placement objects."""
@@ -238,14 +289,8 @@ class VllmEngine:
             max_tokens: tokens to generate per prompt.
             **sampling: more ``vllm.SamplingParams`` fields (e.g. ``ignore_eos=True``).
         """
-        import vllm
-        from vllm.inputs import TokensPrompt
-
-        inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
         with self.serving() as version:
-            outs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], version
+            return greedy(self.llm, prompts, max_tokens, **sampling), version
 
     def load_weights(self, source: "str | Mapping[str, torch.Tensor]", version: int) -> dict[str, int]:
         """Dense refit of this engine through vLLM's own ``load_weights``: from a safetensors
@@ -279,6 +324,16 @@ class VllmEngine:
             for n, c in x["checksums"].items():
                 out[n] = (out.get(n, 0) + c) & MASK64
         return EngineChecksums(out, {x["rank"]: dict(x["views"]) for x in replies})
+
+
+def greedy(llm, prompts: Sequence[str | Sequence[int]], max_tokens: int = 16, **sampling) -> list[list[int]]:
+    """Greedy generation of ``llm`` (a ``vllm.LLM``): the token ids per prompt (text, or token ids)."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params, use_tqdm=False)]
 
 
 @contextmanager

@@ -8,22 +8,25 @@ does it for you).  Importing this module installs the CPU patches of
 :mod:`nemo_dcr.integrations.vllm.cpu` (on the CPU platform only), which must happen before the
 model loads; vLLM imports the extension class before it builds the model.
 
-* ``dcr_probe`` derives the placement from vLLM's own loaders (docs/engines.md, "vLLM"): the
-  model's ``load_weights`` runs with every param's loader replaced by a recorder, then each
-  recorded call is replayed with an int64 iota tensor into a -1 probe buffer
-  (:mod:`nemo_dcr.apply.placement`).  Live weights are untouched.
-* ``dcr_attach`` builds this rank's :class:`~nemo_dcr.apply.TensorEngine` over the live params and
-  its placement (with the constants the loaders write, so a resync ends as a fresh load does).
+* ``dcr_probe`` derives the placement, and every param's kind, from vLLM's own ``load_weights``
+  (:mod:`nemo_dcr.apply.probe`; docs/engines.md, "Engine truth") and what vLLM does after
+  loading (:mod:`.kinds`); live weights are untouched.  It reports what cannot be refit, so the
+  driver refuses the engine before the first sync.
+* ``dcr_attach`` builds this rank's :class:`~nemo_dcr.apply.TensorEngine` over the live params,
+  the shadows of transformed tensors and its placement (with the constants the loaders write, so a
+  resync ends as a fresh load does), and the after-write steps (:class:`~.refresh.Refresh`).
 * ``dcr_prepare`` / ``dcr_commit`` / ``dcr_rollback`` apply one version as a transaction that
   spans all TP ranks (:meth:`nemo_dcr.apply.TensorEngine.prepare`): every rank writes and
   verifies, keeps its undo log, and commits only when the driver heard that all ranks verified.
-* Prepacked CPU MoE experts are written in their loader layout and the touched experts repacked
-  and read back (:class:`~nemo_dcr.integrations.vllm.cpu.PackedExperts`).
+* After the views are written: transformed tensors are reloaded through the engine's loader,
+  derived tensors re-derived (:mod:`.refresh`), prepacked CPU MoE experts repacked and read back
+  (:class:`~nemo_dcr.integrations.vllm.cpu.PackedExperts`).
+* ``dcr_preflight`` compares everything the rank holds with vLLM's own in-place reload of the
+  canonical tensors it holds (:mod:`.preflight`).
 
 Payload parts reach a rank as bytes, or as paths of files holding one part each (vLLM's
 multiprocess executor broadcasts ``collective_rpc`` arguments to every rank, so a rank reads
-only the files named for it).  Unquantized weights only (the probe refuses loaders that change
-values).
+only the files named for it).  Unquantized weights only (quantized layers are refused).
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ import numpy as np
 import torch
 
 from nemo_dcr.apply import ApplyResult, ApplyVerificationError, EngineChecksums, TensorEngine
-from nemo_dcr.apply.placement import placement_from_json, placement_to_json, probe_model, record_loader_calls
+from nemo_dcr.apply.placement import placement_from_json, placement_to_json
+from nemo_dcr.apply.probe import SHADOW, Probe, probe_engine
 from nemo_dcr.verify.sample import Sample
 
-from . import cpu
+from . import cpu, kinds, preflight
+from .refresh import Refresh
 
 ON_CPU = cpu.install()
 """Whether the CPU patches are active in this process (vLLM's CPU platform)."""
@@ -85,6 +90,43 @@ def aliases(model: torch.nn.Module) -> dict[str, str]:
     return {n: kept[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if kept[id(p)] != n}
 
 
+def post_load_steps(model: torch.nn.Module, vllm_config) -> dict:
+    """Module name -> its post-load step, for the modules vLLM post-processes after loading
+    themselves (attention layers); none without vLLM (a stand-in worker)."""
+    if vllm_config is None:
+        return {}
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    dtype = vllm_config.model_config.dtype
+    return {n: (lambda m=m: m.process_weights_after_loading(dtype))
+            for n, m in model.named_modules() if is_deferred_attention_layer(m)}
+
+
+def probe_vllm(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, torch.dtype],
+               vllm_config=None, device: str | None = None, steps: Mapping | None = None
+               ) -> tuple[Probe, list, dict[str, str]]:
+    """Probe a vLLM model's loaders and classify every param (:mod:`nemo_dcr.apply.probe`, :mod:`.kinds`).
+
+    Args:
+        model, shapes, dtypes: the model and the canonical tensors' shapes and dtypes.
+        vllm_config: the engine's config (None: a stand-in without one).
+        device: where probe buffers live (default: each param's device).
+        steps: the post-load steps (default: :func:`post_load_steps`).
+
+    Returns:
+        ``(probe, derived groups, refused)``: the probe (kinds refined), the layers whose
+        post-load step derives tensors, and what cannot be refit (what -> why).
+    """
+    probe = probe_engine(model, shapes, set_loader, dtypes, device)
+    kinds.mark_views(model, probe)
+    kinds.check_backends(model, probe, set(cpu.PackedExperts.find(model)))
+    derived = kinds.find_derived(model, probe, post_load_steps(model, vllm_config) if steps is None else steps)
+    refused = kinds.refusals(probe)
+    if vllm_config is not None:
+        refused.update(kinds.check_engine_features(vllm_config))
+    return probe, derived, refused
+
+
 def _result_json(r: ApplyResult) -> dict:
     return dict(base=r.base_version, target=r.target_version, touched=r.touched, resync=r.resync,
                 undo_bytes=r.undo_bytes)
@@ -101,23 +143,40 @@ class DcrWorkerExtension:
     def _dcr_model(self) -> torch.nn.Module:
         return self.model_runner.model
 
-    def dcr_probe(self, shapes: Mapping[str, Sequence[int]]) -> dict:
-        """This rank's placement of every canonical tensor (JSON; primary not yet assigned).
+    def dcr_probe(self, shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, str] | None = None) -> dict:
+        """This rank's placement of every canonical tensor and the kind of every param (JSON).
+
+        Args:
+            shapes: canonical name -> shape.
+            dtypes: canonical name -> torch dtype name (``"bfloat16"``; default bf16).
 
         Returns:
-            ``placement`` (JSON form), ``aliases`` (see :func:`aliases`), ``packed`` (params the
-            CPU kernel prepacks; written in their loader layout), ``params`` (name -> shape).
+            ``placement`` (JSON form, primary not yet assigned), ``params`` (engine param or
+            buffer -> ``kind``, ``sources``, ``how``, ``refused``), ``skipped`` and ``refused``
+            (what -> why), ``stats`` (the probe's cost), ``aliases`` (see :func:`aliases`),
+            ``packed`` (params the CPU kernel prepacks) and ``shapes`` (param -> shape).
         """
         model = self._dcr_model()
-        calls = record_loader_calls(model, shapes.items(), set_loader)
-        self.dcr_fills: dict = {}
-        placement = placement_to_json(probe_model(model, shapes, calls, get_loader, fills=self.dcr_fills))
-        return dict(placement=placement, aliases=aliases(model), packed=sorted(cpu.PackedExperts.find(model)),
-                    params={n: list(p.shape) for n, p in model.named_parameters()})
+        torch_dtypes = {n: getattr(torch, d) for n, d in (dtypes or {}).items()}
+        probe, self.dcr_derived, refused = probe_vllm(model, shapes, torch_dtypes, getattr(self, "vllm_config", None),
+                                                      steps=self._dcr_steps())
+        self.dcr_fills, self.dcr_reload, self.dcr_dtypes = probe.fills, probe.reload, torch_dtypes
+        params = {n: dict(kind=t.kind.value, sources=list(t.sources), how=t.how, refused=t.refused)
+                  for n, t in probe.params.items()}
+        return dict(placement=placement_to_json(probe.placement), params=params, skipped=probe.skipped,
+                    refused=refused, stats=dict(vars(probe.stats)), aliases=aliases(model),
+                    packed=sorted(cpu.PackedExperts.find(model)),
+                    shapes={n: list(p.shape) for n, p in model.named_parameters()})
+
+    def _dcr_steps(self) -> dict:
+        return post_load_steps(self._dcr_model(), getattr(self, "vllm_config", None))
 
     def dcr_attach(self, placements: Sequence[dict], key: bytes | None = None, version: int = 0,
                    keep_index: bool = True) -> dict:
         """Build the engine over the live params from this rank's entry of ``placements``.
+
+        Transformed tensors get a shadow filled with a NaN pattern (what the engine loaded of them
+        is not known in canonical form), so the first sync sends them.
 
         Raises:
             ApplyVerificationError: a prepacked expert is not the packing of its loader-layout copy.
@@ -131,15 +190,21 @@ class DcrWorkerExtension:
         params = {n: p.data for n, p in model.named_parameters()}
         params.update({n: layer.unpacked[n] for n, layer in self.dcr_packed.items()})
         mine = placement_from_json(placements[self.rank])
+        shadows = {n[len(SHADOW):]: preflight.unknown(tp.param_shape, self.dcr_dtypes.get(tp.name, torch.bfloat16))
+                   for n, tp in ((tp.param, tp) for tp in mine.values()) if n.startswith(SHADOW)}
+        params.update({SHADOW + n: t for n, t in shadows.items()})
+        self.dcr_refresh = Refresh(model, shadows, {n: mine[n].shape for n in shadows}, self.dcr_reload,
+                                   self.dcr_derived, self._dcr_steps())
         self.dcr_engine = TensorEngine(params, version, key, keep_index, placement=mine, fills=self.dcr_fills)
-        return dict(rank=self.rank, tensors=len(mine), version=version)
+        return dict(rank=self.rank, tensors=len(mine), version=version, shadows=sorted(shadows))
 
     def dcr_prepare(self, parts_by_rank: Sequence[Sequence[Part]], resync: bool = False) -> dict:
-        """Write and verify this rank's parts of one version, keeping the undo log (never raises).
+        """Write and verify this rank's parts of one version, then the after-write steps (reload
+        transformed tensors, re-derive, repack experts), keeping the undo state (never raises).
 
         Returns:
-            ``ok`` and the result (``target``, ``touched``, ...), or ``ok=False`` with the
-            exception's ``error`` type and ``message`` (this rank then holds nothing pending).
+            ``ok`` and the result (``target``, ``touched``, ``refreshed``, ...), or ``ok=False`` with
+            the exception's ``error`` type and ``message`` (this rank then holds nothing pending).
         """
         t0 = time.perf_counter()
         try:
@@ -147,16 +212,20 @@ class DcrWorkerExtension:
         except Exception as exc:  # refused or rolled back here; reported to the driver
             return dict(ok=False, rank=self.rank, error=type(exc).__name__, message=str(exc)[:2000])
         try:
+            touched = {self.dcr_engine.placed[n].param for n in result.touched}
+            refreshed = self.dcr_refresh.apply(result, touched)
             self._dcr_repack(result, verify=True)
         except Exception as exc:
             self._dcr_undo(result)
             return dict(ok=False, rank=self.rank, error=type(exc).__name__, message=str(exc)[:2000])
-        return dict(ok=True, rank=self.rank, seconds=time.perf_counter() - t0, **_result_json(result))
+        return dict(ok=True, rank=self.rank, seconds=time.perf_counter() - t0, refreshed=refreshed,
+                    **_result_json(result))
 
     def dcr_commit(self) -> dict:
         """Move to the prepared version; returns it and this rank's checksums (canonical partial
         sums and views)."""
         result = self.dcr_engine.commit()
+        self.dcr_refresh.drop()
         return dict(rank=self.rank, version=result.target_version, **_checksums_json(self.dcr_engine.checksums()))
 
     def dcr_rollback(self) -> dict:
@@ -191,9 +260,11 @@ class DcrWorkerExtension:
         loaded = []
 
         def write(params) -> None:
+            tensors = load_checkpoint(source) if isinstance(source, (str, Path)) else source
             with self._dcr_loader_layout():
-                tensors = load_checkpoint(source) if isinstance(source, (str, Path)) else source
                 model.load_weights(tensors.items())
+            for name, shadow in self.dcr_refresh.shadows.items():  # transformed: their canonical copies
+                shadow.copy_(tensors[name].reshape(-1))
             for name, layer in self.dcr_packed.items():
                 layer.repack(name)
             loaded.append(time.perf_counter() - t0)
@@ -201,6 +272,11 @@ class DcrWorkerExtension:
         checksums = _checksums_json(self.dcr_engine.dense_refit(write, version))
         return dict(rank=self.rank, version=version, **checksums, load_seconds=loaded[0],
                     seconds=time.perf_counter() - t0)
+
+    def dcr_preflight(self) -> list[str]:
+        """Every param, buffer and tensor attribute of this rank against vLLM's own in-place reload
+        of the canonical tensors it holds (:func:`.preflight.check`); returns the differences."""
+        return preflight.check(self)
 
     def dcr_compare(self, path: str) -> list[str]:
         """Canonical tensors whose bits on this rank differ from the checkpoint at ``path``.
@@ -221,7 +297,9 @@ class DcrWorkerExtension:
         return out
 
     def _dcr_undo(self, result: ApplyResult) -> None:
-        """Roll the prepared version back (views and loader constants), then the repacked experts."""
+        """Roll the prepared version back: what the after-write steps overwrote, the views and loader
+        constants, then the repacked experts."""
+        self.dcr_refresh.undo()
         self.dcr_engine.rollback()
         self._dcr_repack(result, verify=False)
 
