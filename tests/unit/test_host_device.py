@@ -149,7 +149,7 @@ def test_the_refit_report_counts_the_trainers_copies():
     shapes = {"a.weight": (48, 32), "b.weight": (64, 16)}
     trainer = ShardTrainer(shapes, 0, 1, lr=2e-4)
     engine = TensorEngine({n: p.detach().clone() for n, p in trainer.params.items()})
-    cfg = DcrConfig(transport="inprocess", reply_timeout_s=120, full_verify_interval=0)
+    cfg = DcrConfig(transport="inprocess", reply_timeout_s=120, verify="incremental", verify_steps=0)
     refit = DeltaRefit(cfg, trainer, colocated_wiring(cfg, 0, None), engine)
     try:
         with device_path():

@@ -142,7 +142,7 @@ def check_engine(base: str | Path, steps: Sequence[str | Path], tp: int = 1,
     with engine:
         _summary(check, engine)
         params = {n: t.clone() for n, t in load_checkpoint(base).items()}
-        cfg = DcrConfig(transport="inprocess", reply_timeout_s=900, full_verify_interval=1, telemetry_encodings=[])
+        cfg = DcrConfig(transport="inprocess", reply_timeout_s=900, verify="full", telemetry_encodings=[])
         refit = DeltaRefit(cfg, CanonicalSource(params), colocated_wiring(cfg, 0, key), engine, key=key)
         try:
             try:

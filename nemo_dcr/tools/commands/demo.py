@@ -113,7 +113,11 @@ def rank_errors(log: Path, most: int = 4) -> list[str]:
     import re
 
     seen: dict[str, str] = {}
-    for line in open(log, errors="replace"):
+    try:
+        lines = open(log, errors="replace").readlines()
+    except OSError:
+        return []
+    for line in lines:
         m = re.match(r"\[rank(\d+)\]: ((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b.*)", line.rstrip())
         key = re.sub(r"\d+", "N", m.group(2)) if m else None  # the same error from another port or pid
         if key and key not in seen:
