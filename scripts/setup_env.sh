@@ -28,8 +28,8 @@ if [[ ",$extras," == *",vllm,"* ]]; then
   "${pip[@]}" install -c scripts/constraints.txt -e ".[vllm]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>&1 | { grep -v "not installed" || true; }
 fi
-# compile the host kernels once into numba's on-disk cache, so that the many processes of a job
+# compile the host kernels a refit uses once into numba's on-disk cache, so that the many processes of a job
 # (torchrun ranks, engine processes) load machine code instead of each compiling it
-"$venv/bin/python" -m nemo_dcr.codec.warm
+"$venv/bin/python" -m nemo_dcr.refit.warm
 echo "$want" > "$stamp"
 echo "[setup] ready: $venv/bin/nemo-dcr" >&2

@@ -295,3 +295,4 @@ def test_importing_core_loads_no_framework(tmp_path):
     assert out["control"] == ["megatron", "transformers"] and out["stub"] is True
     for mod, loaded in out["after"].items():
         assert loaded == [], f"importing {mod} loaded {loaded}"
+
