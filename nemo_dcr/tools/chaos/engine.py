@@ -177,6 +177,9 @@ class ChaosEngine:
     def serving(self):
         return self.inner.serving()
 
+    def preflight(self):
+        return self.inner.preflight()
+
 
 def rollouts(engine: ChaosEngine, log, stop: threading.Event, pause_s: float = 0.02) -> None:
     """Generate until ``stop``; log each rollout's version and its weights before and after."""
