@@ -65,8 +65,12 @@ class ShardView:
             return torch.cat(parts) if parts else flat[:0].clone()
         if on_host(flat):
             return flat[torch.from_numpy(r.expand()[1])]
-        # on a device the index is expanded there from the runs: 16 B per run cross, not 8 B per element
-        shift = to_device(np.ascontiguousarray(r.local - r.view_start, np.int64), flat.device)
-        length = to_device(np.ascontiguousarray(r.length, np.int64), flat.device)
-        index = torch.arange(r.numel, device=flat.device) + torch.repeat_interleave(shift, length, output_size=r.numel)
+        # on a device the index is expanded there from the runs (start, length, step: 24 B per run
+        # cross, not 8 B per element): element k of a run sits at local + k * step
+        runs = to_device(np.ascontiguousarray(np.stack([r.local, r.length, r.step]), np.int64), flat.device)
+        local, length, step = runs[0], runs[1], runs[2]
+        first = torch.repeat_interleave(torch.cumsum(length, 0) - length, length, output_size=r.numel)
+        within = torch.arange(r.numel, device=flat.device) - first
+        index = torch.repeat_interleave(local, length, output_size=r.numel) + \
+            within * torch.repeat_interleave(step, length, output_size=r.numel)
         return flat[index]

@@ -27,6 +27,7 @@ from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_sha
 KEY = b"routing-test-key-0123456789abcdef"
 TP = 2
 D = StandinDims()
+SHAPES = canonical_shapes(D)
 BIG = StandinDims(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=96, experts=4, moe_ffn=32)
 """The stand-in of the multi-trainer run (about 60k elements)."""
 

@@ -176,4 +176,20 @@ def test_a_view_of_many_runs_is_gathered_on_the_device_from_its_runs():
     with device_path(), measure() as crossed:
         dev = view.gather()
     assert torch.equal(host.view(torch.int16), dev.view(torch.int16))
-    assert crossed.total == 16 * 300  # the runs, not an index per element
+    runs = view.runs.length.size
+    assert runs < local.size // 8 and crossed.total == 24 * runs  # the runs, not an index per element
+
+
+def test_a_stepped_view_is_gathered_on_the_device_like_on_the_host():
+    from nemo_dcr.apply.placement import Runs
+    from nemo_dcr.apply.shard_view import ShardView
+
+    param = _model(64 * 300)["layer0.weight"].reshape(300, 64)
+    runs = Runs(np.array([0, 300] + list(range(600, 600 + 80))), np.array([5, 6] + list(range(7, 87))),
+                np.array([300, 300] + [1] * 80), np.array([64, 64] + [1] * 80))  # two columns, then 80 runs of 1
+    view = ShardView(param, runs)
+    host = view.gather()
+    with device_path(), measure():
+        dev = view.gather()
+    assert torch.equal(host.view(torch.int16), dev.view(torch.int16))
+    assert torch.equal(host[:300].view(torch.int16), param[:, 5].contiguous().view(torch.int16))
