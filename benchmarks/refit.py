@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.apply import ForwardingEngine
 from nemo_dcr.checkpoint import load_checkpoint
 from nemo_dcr.refit.messages import Ask, EngineReply
 from nemo_dcr.telemetry.phases import Phase, PhaseClock
@@ -92,18 +93,13 @@ def unpack_dense_into(body: bytes, tensors: dict[str, torch.Tensor]) -> int:
 
 
 # ---------------------------------------------------------------- engine process
-class TimedEngine:
+class TimedEngine(ForwardingEngine):
     """An :class:`HFEngine` behind the engine contract, timing every apply (prepare to commit)."""
 
     def __init__(self, engine):
-        self.inner = engine
+        super().__init__(engine)
         self.apply_s: dict[int, float] = {}
         self._t0 = 0.0
-
-    version = property(lambda self: self.inner.version)
-
-    def placement(self):
-        return self.inner.placement()
 
     def prepare(self, parts, resync=False):
         self._t0 = time.perf_counter()
@@ -114,22 +110,6 @@ class TimedEngine:
         if not result.resync:
             self.apply_s[result.target_version] = time.perf_counter() - self._t0
         return result
-
-    def rollback(self):
-        return self.inner.rollback()
-
-    def checksums(self, full: bool = False, sample=None):
-        return self.inner.checksums(full, sample)
-
-    def digests(self):
-        return self.inner.digests()
-
-    def serving(self):
-        return self.inner.serving()
-
-    def preflight(self):
-        return self.inner.preflight()
-
 
 def _dense_part(timed: TimedEngine, env: Envelope, transport, held: list, times: dict) -> None:
     """Hold dense parts; on the last one write them all (apply), scan checksums (verify), ACK."""

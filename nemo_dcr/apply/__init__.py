@@ -7,7 +7,7 @@ Usage::
     result = apply_version(engine, {0: [payload]})   # ApplyResult(touched={name: count}, ...)
 """
 
-from .contract import Engine, EngineChecksums, Parts, apply_version
+from .contract import Engine, EngineChecksums, ForwardingEngine, Parts, apply_version
 from .engine import TensorEngine
 from .errors import (ApplyVerificationError, EngineRefusedError, IncompletePartsError, InjectedFault, PendingVersionError,
                      PreflightError, RefitRefusedError, VersionMismatchError)
@@ -15,6 +15,6 @@ from .guard import VersionGuard
 from .transaction import ApplyResult, UndoSettings, apply_parts, resync_parts
 from .undo import UNDO_MEMORY_BYTES, UndoLog
 
-__all__ = ["ApplyResult", "ApplyVerificationError", "Engine", "EngineChecksums", "EngineRefusedError",
+__all__ = ["ApplyResult", "ApplyVerificationError", "Engine", "EngineChecksums", "EngineRefusedError", "ForwardingEngine",
            "IncompletePartsError", "InjectedFault", "Parts", "PendingVersionError", "PreflightError", "RefitRefusedError",
            "TensorEngine", "UNDO_MEMORY_BYTES", "UndoLog", "UndoSettings", "VersionGuard", "VersionMismatchError", "apply_parts", "apply_version", "resync_parts"]

@@ -84,6 +84,43 @@ class Engine(Protocol):
     def preflight(self) -> list[str]: ...
 
 
+class ForwardingEngine:
+    """An :class:`Engine` that forwards every member to ``inner``: the base of wrappers that watch
+    or fault one part of the contract (timing, chaos) and override only that part, so a member the
+    contract gains reaches every wrapper at once."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def placement(self) -> list[dict]:
+        return self.inner.placement()
+
+    def prepare(self, parts: Parts, resync: bool = False) -> ApplyResult:
+        return self.inner.prepare(parts, resync)
+
+    def commit(self) -> ApplyResult:
+        return self.inner.commit()
+
+    def rollback(self) -> ApplyResult:
+        return self.inner.rollback()
+
+    def checksums(self, full: bool = False, sample: Sample | None = None) -> EngineChecksums:
+        return self.inner.checksums(full, sample)
+
+    def digests(self) -> dict[str, str]:
+        return self.inner.digests()
+
+    def serving(self) -> ContextManager[int]:
+        return self.inner.serving()
+
+    def preflight(self) -> list[str]:
+        return self.inner.preflight()
+
+
 def apply_version(engine: Engine, parts: Parts, resync: bool = False) -> ApplyResult:
     """One version as one transaction: ``prepare`` (which rolls back by itself on any failure),
     then ``commit``.

@@ -143,3 +143,12 @@ def test_checksums_after_is_the_full_scan_of_the_changed_tensor():
     assert checksums_after({"y": 5}, [d]) == {"y": 5, "x": (tensor_checksum(new) - tensor_checksum(old)) % (1 << 64)}
     with pytest.raises(ValueError, match="x: a checksum follows a delta only with its old bits"):
         checksum_after(0, SparseDelta("x", "bf16", (1000,), pos, new[pos]))
+
+
+def test_the_forwarding_engine_forwards_every_member_of_the_contract():
+    import inspect
+
+    from nemo_dcr.apply import Engine, ForwardingEngine
+
+    members = {n for n, _ in inspect.getmembers(Engine) if not n.startswith("_")}
+    assert members and members <= set(vars(ForwardingEngine)), members - set(vars(ForwardingEngine))

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from nemo_dcr.apply import ForwardingEngine
+
 from .faults import ENGINE_KILL_POINTS
 from .state import Workdir
 
@@ -94,7 +96,7 @@ def build(kind: str, wd: Workdir, key: bytes | None, dcr):
     return HFEngine(model, torch.bfloat16, key=key, keep_index=dcr.engine_index)
 
 
-class ChaosEngine:
+class ChaosEngine(ForwardingEngine):
     """The engine contract around the real engine, with the faults that act inside it.
 
     Args:
@@ -105,7 +107,8 @@ class ChaosEngine:
     """
 
     def __init__(self, served: Served, wd: Workdir, log, seed: int):
-        self.served, self.inner, self.wd, self.log = served, served.engine, wd, log
+        super().__init__(served.engine)
+        self.served, self.wd, self.log = served, wd, log
         self.rng = random.Random(seed)
         self.kill: str | None = None
         self.writes = 0
@@ -140,14 +143,7 @@ class ChaosEngine:
         if self.writes >= 2 and self.wd.take("crash") is not None:
             raise InjectedFault(f"chaos: crash after writing {name}")
 
-    # -- the contract ---------------------------------------------------------------------------
-
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    def placement(self):
-        return self.inner.placement()
+    # -- the contract: what the faults act on (the rest is forwarded) ----------------------------
 
     def prepare(self, parts, resync: bool = False):
         from nemo_dcr.apply import InjectedFault
@@ -164,22 +160,6 @@ class ChaosEngine:
         result = self.inner.commit()
         self.die(ENGINE_KILL_POINTS[2], result.target_version)
         return result
-
-    def rollback(self):
-        return self.inner.rollback()
-
-    def checksums(self, full: bool = False, sample=None):
-        return self.inner.checksums(full, sample)
-
-    def digests(self):
-        return self.inner.digests()
-
-    def serving(self):
-        return self.inner.serving()
-
-    def preflight(self):
-        return self.inner.preflight()
-
 
 def rollouts(engine: ChaosEngine, log, stop: threading.Event, pause_s: float = 0.02) -> None:
     """Generate until ``stop``; log each rollout's version and its weights before and after."""
