@@ -170,7 +170,7 @@ def run_chaos(cfg: ChaosConfig, timeout: float = 1800.0) -> dict:
     if "disk-full" in cfg.faults and cfg.transport != "store":
         raise ValueError("disk-full is a fault of the store transport: run with transport 'store'")
     with tempfile.TemporaryDirectory(prefix="nemo-dcr-chaos-") as tmp:
-        cfg = replace(cfg, workdir=tmp)
+        cfg = replace(cfg, workdir=tmp, until=time.time() + cfg.duration_s if cfg.duration_s > 0 else 0.0)
         wd = Workdir(tmp)
         write_initial_weights(cfg, wd)
         for folder in (wd.checks, wd.path("ckpt"), wd.path("fired")):

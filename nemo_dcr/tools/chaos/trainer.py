@@ -255,9 +255,18 @@ def _row(t: Trainer, i: int, kind: str | None, out, before: int, gen_before: int
                 bytes=out.payload_bytes, corrupted=log, seconds=round(out.times.get("total", 0.0), 4), **extra)
 
 
+def _time_is_up(cfg) -> bool:
+    """Whether a soak's time is over (rank 0's clock, broadcast so every rank stops at the same refit)."""
+    if not cfg.until:
+        return False
+    flag = torch.tensor([1 if time.time() >= cfg.until else 0], dtype=torch.int32)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
 def trainer_main(cfg, rank: int, generation: int, restart: dict | None) -> None:
     """Trainer rank: attach (resuming from the latest checkpoint after a relaunch), then the refits
-    with the scheduled faults, until refit ``cfg.refits``."""
+    with the scheduled faults, until refit ``cfg.refits`` (or a soak's ``cfg.until``)."""
     from nemo_dcr.transport import Envelope, MessageKind
 
     torch.set_num_threads(1)
@@ -273,6 +282,8 @@ def trainer_main(cfg, rank: int, generation: int, restart: dict | None) -> None:
     plan, checkpoints = schedule(cfg.refits, cfg.faults, cfg.seed, cfg.fault_rate), []
     rng = random.Random(cfg.seed * 7919 + rank + 1000 * generation)
     for i in range(start + 1, cfg.refits + 1):
+        if _time_is_up(cfg):
+            break
         kind = plan.get(i)
         if kind == "kill-trainer" and t.wd.look(f"fired/kill-trainer-{i}"):
             kind = None  # the relaunch redoes this refit without killing again
