@@ -15,6 +15,8 @@ def test_schedule_every_kind_and_a_recovery_refit_after_each_failing_kind():
             assert i + 1 not in plan
     assert plan == schedule(40, FAULTS, seed=3, fault_rate=1.0)
     assert schedule(40, FAULTS, seed=3, fault_rate=0.0) == {}
+    for n in range(2, 30):  # a fault that fails by design always has its recovery refit
+        assert all(k not in FAILS_BY_DESIGN for i, k in schedule(n, FAULTS, seed=n, fault_rate=1.0).items() if i == n)
 
 
 def _rollout(version: int, before: str, after: str, gen: int = 0) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .faults import TRAINER_KILL_POINTS, schedule, tamper_for
+from .faults import FAILS_BY_DESIGN, TRAINER_KILL_POINTS, schedule, tamper_for
 from .state import Workdir
 
 
@@ -89,8 +89,22 @@ class Trainer:
 
         from .config import refit_transport
 
+        self._engine_up()
         self.switch = KillSwitch(refit_transport(self.cfg, self.wd, self.rank, generation), self.wd)
         return engine_wiring(self.switch, range(self.cfg.trainers), [self.cfg.trainers], self.group)
+
+    def _engine_up(self, timeout: float = 900.0) -> None:
+        """Wait until the engine process the supervisor started last has loaded its model: an
+        engine restarts slower than the run's short reply timeout under load, and the store
+        transport, unlike gloo's rendezvous, does not wait for the peer to be there."""
+        deadline = time.monotonic() + timeout
+        while True:
+            started, ready = self.wd.look("engine-started"), self.wd.look("engine-ready")
+            if started and ready and ready["pid"] == started["pid"]:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"chaos: engine process {started} not ready within {timeout}s")
+            time.sleep(0.2)
 
     def new_refit(self):
         """A fresh DeltaRefit (a restarted trainer process: new baseline, owners and mirror)."""
@@ -282,8 +296,8 @@ def trainer_main(cfg, rank: int, generation: int, restart: dict | None) -> None:
     plan, checkpoints = schedule(cfg.refits, cfg.faults, cfg.seed, cfg.fault_rate), []
     rng = random.Random(cfg.seed * 7919 + rank + 1000 * generation)
     for i in range(start + 1, cfg.refits + 1):
-        if _time_is_up(cfg):
-            break
+        if plan.get(i - 1) not in FAILS_BY_DESIGN and _time_is_up(cfg):
+            break  # (a refit that recovers the one before it is always made)
         kind = plan.get(i)
         if kind == "kill-trainer" and t.wd.look(f"fired/kill-trainer-{i}"):
             kind = None  # the relaunch redoes this refit without killing again
