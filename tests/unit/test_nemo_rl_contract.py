@@ -393,3 +393,82 @@ def test_key_file_is_read_by_the_one_rule(refit_cfg, tmp_path):
     path = tmp_path / "ws.key"
     path.write_bytes(raw)
     assert DcrCheckpointEngine(1 << 20, **{**kw, "key_file": str(path)}).key == raw
+
+
+# -- capture from the policy's own Megatron shards -------------------------------------------------
+
+MEGATRON = "dense-tiny"
+"""The megatron-core preset the Megatron policy workers are built from (TP=2 on gloo)."""
+
+
+@pytest.fixture(scope="module")
+def megatron_policy(tmp_path_factory):
+    """Two Megatron policy workers (one process each, a gloo job: TP=2), the model's shapes and
+    the workers' log files."""
+    from nemo_dcr.layout import model_dims
+    from tests.standins.megatron_policy_standin import policy_actors
+
+    logs = tmp_path_factory.mktemp("policy-logs")
+    actors = policy_actors(POLICY, log_dir=str(logs), model=MEGATRON, tp=2)
+    try:
+        yield actors, StandinDims.of(model_dims(MEGATRON)), logs
+    finally:
+        for a in actors:
+            a.close()
+
+
+def shard_mismatches(policy, engines, dims: StandinDims) -> list[str]:
+    """Params of each vLLM worker whose bits differ from a fresh model loaded, through its own
+    ``load_weights``, with the policy's weights as the dense conversion gathers them."""
+    state = Synchronizer._all([p.hf_state for p in policy])[0]
+    out = []
+    for d, engine in enumerate(engines):
+        for w in engine:
+            ref = StandinModel(dims, TP, w.rank)
+            ref.load_weights(state.items())
+            live = dict(w.model_runner.model.named_parameters())
+            out += [f"dp{d}/tp{w.rank}:{n}" for n, p in ref.named_parameters()
+                    if not torch.equal(int_view(p.data), int_view(live[n].data))]
+    return out
+
+
+def test_megatron_policy_captures_from_its_shards_without_the_export(refit_cfg, megatron_policy):
+    """Real megatron-core shards (TP=2, DDP with the distributed optimizer): every sync is bit-exact
+    against vLLM's own full load, NeMo-RL's export iterator is never started (no tensor yielded)
+    and no owned copy is kept; a failure inside a sync resyncs from the shards in the same sync;
+    a worker whose model the plugin cannot see takes the export path, said once, and stays
+    bit-exact."""
+    policy, dims, logs = megatron_policy
+    engines = vllm_engines(dims, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    modes = []
+    for step in range(3):
+        if step:
+            Synchronizer._all([lambda p=p: p.train(step) for p in policy])
+        if step == 2:
+            policy[1].fail_next_refit()
+        sync.sync_weights()
+        reports = [p.report() for p in policy]
+        r = reports[0]["last"]
+        assert r.committed and r.verified and shard_mismatches(policy, engines, dims) == [], step
+        assert all(x["capture"] == "shards" and x["exported"] == 0 and x["held_bytes"] == 0 for x in reports)
+        modes.append((r.mode, r.changed < r.numel, bool(reports[0]["recovered"])))
+    assert modes == [("attach", False, False), ("delta", True, False), ("attach", False, True)]
+    assert reports[0]["recovered"][0].startswith("policy rank 1: OSError: injected failure inside the sync")
+    assert "optimizer MasterAdamW, capture ranges from the distributed optimizer" in reports[0]["detail"]
+
+    for p in policy:  # restarted policy workers whose model the plugin cannot read
+        p.restart_engine(shards_visible=False)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    for step in (3, 4):
+        Synchronizer._all([lambda p=p: p.train(step) for p in policy])
+        sync.sync_weights()
+        reports = [p.report() for p in policy]
+        assert all(x["capture"] == "export" and x["held_bytes"] > 0 for x in reports)
+        assert shard_mismatches(policy, engines, dims) == []
+    assert reports[0]["last"].mode == "delta" and reports[0]["detail"] == "MegatronPolicyWorker has no .model"
+    out = "".join((logs / f"policy-{r}.log").read_text() for r in range(POLICY))
+    assert out.count("capture from the policy's own Megatron shards, NeMo-RL's export is not run") == 1
+    assert out.count("capture from NeMo-RL's export, copying owned tensors (MegatronPolicyWorker has no .model)") == 2
+    for p in policy:
+        p.restart_engine()
