@@ -158,6 +158,30 @@ def rss_mib() -> dict[str, float]:
     return out
 
 
+def reference_mismatches(policy: list[Actor], engines, dims, tp: int) -> list[str]:
+    """Params of each vLLM stand-in worker whose bits differ from a fresh model of ``dims`` loaded,
+    through its own ``load_weights``, with the policy's weights as the dense conversion gathers
+    them (:meth:`MegatronPolicyWorker.hf_state`, collective over ``policy``): vLLM's own full
+    load, never the refit's mapping."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nemo_dcr.types import int_view
+
+    from .vllm_standin import StandinModel
+
+    with ThreadPoolExecutor(len(policy)) as ex:
+        state = list(ex.map(lambda p: p.hf_state(), policy))[0]
+    out = []
+    for d, engine in enumerate(engines):
+        for w in engine:
+            ref = StandinModel(dims, tp, w.rank)
+            ref.load_weights(state.items())
+            live = dict(w.model_runner.model.named_parameters())
+            out += [f"dp{d}/tp{w.rank}:{n}" for n, p in ref.named_parameters()
+                    if not torch.equal(int_view(p.data), int_view(live[n].data))]
+    return out
+
+
 class MegatronPolicyWorker(_CheckpointEngineHost):
     """One Megatron policy worker (a megatron rank), NeMo-RL's checkpoint-engine mixin included.
 

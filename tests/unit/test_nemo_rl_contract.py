@@ -417,27 +417,14 @@ def megatron_policy(tmp_path_factory):
             a.close()
 
 
-def shard_mismatches(policy, engines, dims: StandinDims) -> list[str]:
-    """Params of each vLLM worker whose bits differ from a fresh model loaded, through its own
-    ``load_weights``, with the policy's weights as the dense conversion gathers them."""
-    state = Synchronizer._all([p.hf_state for p in policy])[0]
-    out = []
-    for d, engine in enumerate(engines):
-        for w in engine:
-            ref = StandinModel(dims, TP, w.rank)
-            ref.load_weights(state.items())
-            live = dict(w.model_runner.model.named_parameters())
-            out += [f"dp{d}/tp{w.rank}:{n}" for n, p in ref.named_parameters()
-                    if not torch.equal(int_view(p.data), int_view(live[n].data))]
-    return out
-
-
 def test_megatron_policy_captures_from_its_shards_without_the_export(refit_cfg, megatron_policy):
     """Real megatron-core shards (TP=2, DDP with the distributed optimizer): every sync is bit-exact
     against vLLM's own full load, NeMo-RL's export iterator is never started (no tensor yielded)
     and no owned copy is kept; a failure inside a sync resyncs from the shards in the same sync;
     a worker whose model the plugin cannot see takes the export path, said once, and stays
     bit-exact."""
+    from tests.standins.megatron_policy_standin import reference_mismatches
+
     policy, dims, logs = megatron_policy
     engines = vllm_engines(dims, 1, TP)
     sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
@@ -450,7 +437,7 @@ def test_megatron_policy_captures_from_its_shards_without_the_export(refit_cfg, 
         sync.sync_weights()
         reports = [p.report() for p in policy]
         r = reports[0]["last"]
-        assert r.committed and r.verified and shard_mismatches(policy, engines, dims) == [], step
+        assert r.committed and r.verified and reference_mismatches(policy, engines, dims, TP) == [], step
         assert all(x["capture"] == "shards" and x["exported"] == 0 and x["held_bytes"] == 0 for x in reports)
         modes.append((r.mode, r.changed < r.numel, bool(reports[0]["recovered"])))
     assert modes == [("attach", False, False), ("delta", True, False), ("attach", False, True)]
@@ -465,7 +452,7 @@ def test_megatron_policy_captures_from_its_shards_without_the_export(refit_cfg, 
         sync.sync_weights()
         reports = [p.report() for p in policy]
         assert all(x["capture"] == "export" and x["held_bytes"] > 0 for x in reports)
-        assert shard_mismatches(policy, engines, dims) == []
+        assert reference_mismatches(policy, engines, dims, TP) == []
     assert reports[0]["last"].mode == "delta" and reports[0]["detail"] == "MegatronPolicyWorker has no .model"
     out = "".join((logs / f"policy-{r}.log").read_text() for r in range(POLICY))
     assert out.count("capture from the policy's own Megatron shards, NeMo-RL's export is not run") == 1
