@@ -459,3 +459,29 @@ def test_megatron_policy_captures_from_its_shards_without_the_export(refit_cfg, 
     assert out.count("capture from NeMo-RL's export, copying owned tensors (MegatronPolicyWorker has no .model)") == 2
     for p in policy:
         p.restart_engine()
+
+
+def test_a_policy_without_megatron_shards_is_told_why_it_takes_the_export():
+    """No worker, no ``.model``, a model no registered framework understands (a DTensor policy's HF
+    module): the export path, with the reason; never an exception."""
+    from types import SimpleNamespace
+
+    from nemo_dcr.integrations.nemo_rl.shards import policy_shards, table_differences
+
+    table = {"model.embed_tokens.weight": ("bf16", (10, 4))}
+
+    class DTensorPolicyWorkerV2:
+        def __init__(self, model=None):
+            if model is not None:
+                self.model = model
+
+    assert policy_shards(None, table).detail == "no policy worker holds this checkpoint engine as .checkpoint_engine"
+    assert policy_shards(DTensorPolicyWorkerV2(), table).detail == "DTensorPolicyWorkerV2 has no .model"
+    found = policy_shards(DTensorPolicyWorkerV2(torch.nn.Linear(4, 4)), table)
+    assert found.source is None and found.detail.startswith(
+        "DTensorPolicyWorkerV2.model is a Linear, no megatron-core model (no trainer source for a Linear")
+    cp = SimpleNamespace(config=SimpleNamespace(context_parallel_size=2))
+    assert "context parallelism" in policy_shards(DTensorPolicyWorkerV2(cp), table).detail
+    assert table_differences({**table, "lm_head.weight": ("bf16", (10, 4))}, {"model.embed_tokens.weight": (
+        "fp32", (10, 4))}) == ("1 in the shards but not loaded by vLLM ['lm_head.weight']; 1 of another dtype or "
+                               "shape [('model.embed_tokens.weight', ('bf16', (10, 4)), ('fp32', (10, 4)))]")

@@ -61,9 +61,10 @@ def policy_shards(worker: Any, table: Mapping[str, tuple[str, tuple[int, ...]]])
         return ShardLookup(None, f"{what}.model runs context parallelism (context_parallel_size={cp}): capture "
                                  "ranges over context-parallel replicas are not derived yet")
     try:
-        source = source_for(chunks, **_source_options(chunks, table))
+        source = source_for(model, **_source_options(chunks, table))
     except TypeError as exc:  # no registered framework understands the model (DTensor, another backend)
-        return ShardLookup(None, f"{what}.model is not megatron-core ({str(exc)[:200]})")
+        return ShardLookup(None, f"{what}.model is a {type(chunks[0]).__name__}, no megatron-core model "
+                                 f"({str(exc)[:200]})")
     except Exception as exc:  # noqa: BLE001 - a model the layout tables cannot describe: say why, use the export
         return ShardLookup(None, f"{what}.model is not described by the layout tables: "
                                  f"{type(exc).__name__}: {str(exc)[:300]}")
