@@ -10,20 +10,24 @@ TP=``--tp`` on gloo (DDP with the distributed optimizer), one process per worker
 a generator like Megatron-Bridge's (a TP all-gather per tensor, then the HF conversion).  The
 vLLM workers are the loader-contract stand-in at the same TP (threads of this process), driven
 by the stand-in of NeMo-RL's ``CheckpointEngineWeightSynchronizer``.  Two sessions over the same
-workers and the same training run, one after the other:
+workers and the same training run (the same preset, seeds and steps: the same weights at every sync), one
+after the other, each in fresh worker processes and fresh vLLM workers (dummy weights):
 
 * ``export``: the policy workers hide their model (as a DTensor policy would), so the plugin
   drains NeMo-RL's export and copies the tensors each worker owns;
 * ``shards``: the plugin captures from the workers' own shards; the export is never started.
 
-Each session is a first sync (``attach``, vLLM from dummy weights) and ``--syncs`` delta syncs,
-each after one Adam-like step of every worker.  After every sync every vLLM worker is compared,
+Each session is a first sync (``attach``, everything into vLLM's dummy weights) and ``--syncs``
+delta syncs, each after one Adam-like step of every worker.  After every sync every vLLM worker is compared,
 as integer views, with a fresh model that loaded the policy's weights through its own
 ``load_weights`` (not timed).  Per delta sync: the driver's wall time of ``sync_weights``, the
-plugin's phases on policy rank 0 (``export``: draining the export; ``total``: the refit), the
-export's own seconds and the bytes it materialized on each worker, the owned copies, payload
-bytes and density.  Memory (RSS, MiB) of every policy worker after each session's first sync and
-of this process (both vLLM workers) before and after the first attach.  Prints one JSON object
+CPU seconds it took the policy worker processes together (``os.times``; far less sensitive to
+other load on the machine than wall time) and this process (the vLLM workers), the
+plugin's phases on policy rank 0 (``export``: draining the export; ``total``: the refit; every
+phase of the refit), the export's own seconds and the bytes it materialized on each worker, the
+owned copies, payload bytes and density.  Memory (RSS, MiB) of every policy worker after each
+session's first sync, and of this process (the vLLM workers are its threads) with the vLLM
+workers built and after their first sync.  Prints one JSON object
 (medians over the delta syncs, and every sync); times are wall seconds on a shared machine:
 compare the two paths by the ratios of one run.
 """
@@ -44,7 +48,7 @@ import secrets  # noqa: E402
 
 from nemo_dcr.integrations.nemo_rl import SELECTOR  # noqa: E402
 from nemo_dcr.layout import model_dims  # noqa: E402
-from tests.standins.megatron_policy_standin import policy_actors, reference_mismatches, rss_mib  # noqa: E402
+from tests.standins.megatron_policy_standin import cpu_seconds, policy_actors, reference_mismatches, rss_mib  # noqa: E402
 from tests.standins.nemo_rl_standin import Synchronizer, vllm_engines  # noqa: E402
 from tests.standins.vllm_standin import StandinDims  # noqa: E402
 
@@ -64,44 +68,60 @@ def _all(calls):
     return Synchronizer._all(calls)
 
 
-def run_path(path: str, policy, engines, dims, args, cfg: dict, first_step: int) -> dict:
-    """One session on ``path`` ("export" or "shards"): attach, then ``--syncs`` delta syncs."""
-    for p in policy:
-        p.restart_engine(shards_visible=path == "shards")
-    sync = Synchronizer(policy, engines, SELECTOR, cfg)
-    sync.init_communicator()
-    rows, memory = [], {}
-    for i in range(args.syncs + 1):
-        if i:
-            _all([lambda p=p: p.train(first_step + i) for p in policy])
-        before = [p.report() for p in policy]
-        driver_rss = rss_mib()["rss"]
-        t0 = time.perf_counter()
-        sync.sync_weights()
-        wall = time.perf_counter() - t0
-        reports = [p.report() for p in policy]
-        bad = reference_mismatches(policy, engines, dims, args.tp)
-        r = reports[0]["last"]
-        if bad or not (r.committed and r.verified) or any(x["capture"] != path for x in reports):
-            raise SystemExit(f"{path} sync {i}: not bit-exact or not on its path: {bad[:5]} {r} "
-                             f"{[x['capture'] for x in reports]} {reports[0]['detail']}")
-        exported = [a["exported"] - b["exported"] for a, b in zip(reports, before)]
-        export_s = [a["export_s"] - b["export_s"] for a, b in zip(reports, before)]
-        rows.append(dict(mode=r.mode, wall_s=wall, refit_total_s=r.times["total"],
-                         plugin_export_s=r.times.get("export", 0.0), export_generator_s=max(export_s),
-                         exported_tensors_per_worker=exported[0],
-                         exported_bytes_per_worker=(r.dense_bytes if exported[0] else 0),
-                         held_bytes_per_worker=[x["held_bytes"] for x in reports],
-                         payload_bytes=r.payload_bytes, dense_bytes=r.dense_bytes, density=r.density,
-                         changed=r.changed))
-        if i == 0:
-            memory = dict(policy_rss_mib=[x["memory"]["rss"] for x in reports],
-                          policy_peak_mib=[x["memory"]["peak"] for x in reports],
-                          driver_rss_before_mib=driver_rss, driver_rss_after_mib=rss_mib()["rss"])
+def run_path(path: str, dims, vdims, args, cfg: dict) -> dict:
+    """One session on ``path`` ("export" or "shards") in fresh workers: attach, then ``--syncs``
+    delta syncs."""
+    t0 = time.perf_counter()
+    policy = policy_actors(args.tp, model=args.model, tp=args.tp, layers=args.layers, lr=args.lr,
+                           shards_visible=path == "shards")
+    try:
+        driver_before = rss_mib()["rss"]
+        engines = vllm_engines(vdims, 1, args.tp)
+        driver_engines = rss_mib()["rss"]
+        _all([lambda p=p: p.report() for p in policy])  # every worker built
+        startup = time.perf_counter() - t0
+        sync = Synchronizer(policy, engines, SELECTOR, {**cfg, "url": f"{cfg['url']}-{path}"})
+        sync.init_communicator()
+        rows, memory = [], {}
+        for i in range(args.syncs + 1):
+            if i:
+                _all([lambda p=p: p.train(i) for p in policy])
+            before = [p.report() for p in policy]
+            t1, c1 = time.perf_counter(), cpu_seconds()
+            sync.sync_weights()
+            wall, rollout_cpu = time.perf_counter() - t1, cpu_seconds() - c1
+            reports = [p.report() for p in policy]
+            if i == 0:
+                memory = dict(policy_rss_mib=[x["memory"]["rss"] for x in reports],
+                              policy_peak_mib=[x["memory"]["peak"] for x in reports],
+                              driver_before_vllm_mib=driver_before, driver_with_vllm_mib=driver_engines,
+                              driver_after_attach_mib=rss_mib()["rss"])
+            bad = reference_mismatches(policy, engines, vdims, args.tp)
+            r = reports[0]["last"]
+            if bad or not (r.committed and r.verified) or any(x["capture"] != path for x in reports):
+                raise SystemExit(f"{path} sync {i}: not bit-exact or not on its path: {bad[:5]} {r} "
+                                 f"{[x['capture'] for x in reports]} {reports[0]['detail']}")
+            exported = [a["exported"] - b["exported"] for a, b in zip(reports, before)]
+            export_s = [a["export_s"] - b["export_s"] for a, b in zip(reports, before)]
+            rows.append(dict(mode=r.mode, wall_s=wall, refit_total_s=r.times["total"],
+                             policy_cpu_s=sum(a["cpu_s"] - b["cpu_s"] for a, b in zip(reports, before)),
+                             rollout_cpu_s=rollout_cpu,
+                             plugin_export_s=r.times.get("export", 0.0), export_generator_s=max(export_s),
+                             exported_tensors_per_worker=exported[0],
+                             exported_bytes_per_worker=(r.dense_bytes if exported[0] else 0),
+                             held_bytes_per_worker=[x["held_bytes"] for x in reports],
+                             payload_bytes=r.payload_bytes, route_bytes=r.route_bytes, dense_bytes=r.dense_bytes,
+                             density=r.density, changed=r.changed, phases_rank0=dict(r.times)))
+    finally:
+        for p in policy:
+            p.close()
     deltas = rows[1:]
     med = {k: statistics.median(r[k] for r in deltas) for k in
-           ("wall_s", "refit_total_s", "plugin_export_s", "export_generator_s", "payload_bytes", "density")}
-    return dict(median_delta=med, attach=rows[0], syncs=rows, memory_after_attach=memory,
+           ("wall_s", "policy_cpu_s", "rollout_cpu_s", "refit_total_s", "plugin_export_s", "export_generator_s", "payload_bytes", "route_bytes",
+            "density")}
+    med["phases_rank0"] = {k: statistics.median(r["phases_rank0"].get(k, 0.0) for r in deltas)
+                           for k in sorted({k for r in deltas for k in r["phases_rank0"]})}
+    return dict(median_delta=med, attach=rows[0], syncs=rows, memory_after_attach=memory, startup_s=startup,
                 detail=reports[0]["detail"])
 
 
@@ -114,28 +134,20 @@ def main(argv=None) -> int:
         key.write_bytes(secrets.token_bytes(32))
         cfg = {"url": str(Path(tmp) / "refit"), "key_file": str(key), "reply_timeout_s": 600,
                "verify": "incremental", "telemetry_dir": None}
-        t0 = time.perf_counter()
-        policy = policy_actors(args.tp, model=args.model, tp=args.tp, layers=args.layers, lr=args.lr)
-        try:
-            driver_before = rss_mib()["rss"]
-            engines = vllm_engines(vdims, 1, args.tp)
-            driver_engines = rss_mib()["rss"]
-            _all([lambda p=p: p.report() for p in policy])  # every worker built
-            startup = time.perf_counter() - t0
-            export = run_path("export", policy, engines, vdims, args, cfg, 1)
-            shards = run_path("shards", policy, engines, vdims, args, cfg, 1 + args.syncs)
-        finally:
-            for p in policy:
-                p.close()
+        export = run_path("export", dims, vdims, args, cfg)
+        shards = run_path("shards", dims, vdims, args, cfg)
     e, s = export["median_delta"], shards["median_delta"]
     result = dict(
         model=args.model, layers=dims.num_layers, tp=args.tp, policy_workers=args.tp, vllm_workers=args.tp,
-        params=export["attach"]["dense_bytes"] // 2, delta_syncs=args.syncs, lr=args.lr, startup_s=startup,
-        driver_rss_mib=dict(before_vllm=driver_before, with_vllm_workers=driver_engines),
+        params=export["attach"]["dense_bytes"] // 2, delta_syncs=args.syncs, lr=args.lr,
         export=export, shards=shards,
         ratios=dict(wall_export_over_shards=e["wall_s"] / s["wall_s"],
                     export_time_saved_s=e["wall_s"] - s["wall_s"],
                     export_share_of_export_path=e["plugin_export_s"] / e["wall_s"],
+                    refit_shards_over_export=s["refit_total_s"] / e["refit_total_s"],
+                    policy_cpu_export_over_shards=e["policy_cpu_s"] / s["policy_cpu_s"],
+                    policy_cpu_saved_s=e["policy_cpu_s"] - s["policy_cpu_s"],
+                    attach_wall_export_over_shards=export["attach"]["wall_s"] / shards["attach"]["wall_s"],
                     payload_export_over_shards=e["payload_bytes"] / s["payload_bytes"]))
     text = json.dumps(result, indent=1, default=str)
     print(text)

@@ -182,6 +182,12 @@ def reference_mismatches(policy: list[Actor], engines, dims, tp: int) -> list[st
     return out
 
 
+def cpu_seconds() -> float:
+    """CPU seconds this process used so far, every thread, user and system."""
+    t = os.times()
+    return t.user + t.system
+
+
 class MegatronPolicyWorker(_CheckpointEngineHost):
     """One Megatron policy worker (a megatron rank), NeMo-RL's checkpoint-engine mixin included.
 
@@ -285,8 +291,11 @@ class MegatronPolicyWorker(_CheckpointEngineHost):
     def hf_state(self) -> dict[str, torch.Tensor] | None:
         """The model as HF tensors on rank 0 (collective; not counted as export): the reference
         a fresh vLLM model loads through its own ``load_weights``."""
-        state = {n: t.clone() for n, t in self.export(count=False)}
-        return state if self.rank == 0 else None
+        if self.rank != 0:
+            for _ in self.export(count=False):  # the gathers are collective: every rank iterates
+                pass
+            return None
+        return {n: t.clone() for n, t in self.export(count=False)}
 
     def report(self) -> dict:
         """What the plugin's policy side did at the last sync, and what the export yielded so far."""
@@ -294,7 +303,8 @@ class MegatronPolicyWorker(_CheckpointEngineHost):
         return dict(capture=side.capture if side else None, detail=side.capture_detail if side else "",
                     last=side.last if side else None, recovered=list(side.recovered) if side else [],
                     held_bytes=sum(t.numel() * t.element_size() for t in side.held.values()) if side else 0,
-                    exported=self.exported, export_s=self.export_s, memory=rss_mib(), pid=os.getpid())
+                    exported=self.exported, export_s=self.export_s, memory=rss_mib(), cpu_s=cpu_seconds(),
+                    pid=os.getpid())
 
     def fail_next_refit(self) -> None:
         """Make this worker's next refit attempt raise (after the capture choice), once."""
