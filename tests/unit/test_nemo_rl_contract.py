@@ -6,6 +6,10 @@ loader-contract model stand-in, starting from dummy weights.  After every sync e
 parameters are compared, as integer views, with an independent reference: a fresh stand-in model
 that loaded the policy's tensors through its own ``load_weights`` (what NeMo-RL's dense refit
 would have produced), never with the refit's own mirror or checksums.
+
+The Megatron cases run two policy worker processes over real megatron-core shards (TP=2 on gloo,
+tests/standins/megatron_policy_standin.py): capture from the shards with NeMo-RL's export left
+unstarted, and the export path where the plugin cannot read the model.
 """
 
 from __future__ import annotations
