@@ -48,7 +48,8 @@ import secrets  # noqa: E402
 
 from nemo_dcr.integrations.nemo_rl import SELECTOR  # noqa: E402
 from nemo_dcr.layout import model_dims  # noqa: E402
-from tests.standins.megatron_policy_standin import cpu_seconds, policy_actors, reference_mismatches, rss_mib  # noqa: E402
+from tests.standins.megatron_policy_standin import (cpu_seconds, policy_actors, reference_mismatches,  # noqa: E402
+                                                    rss_mib)
 from tests.standins.nemo_rl_standin import Synchronizer, vllm_engines  # noqa: E402
 from tests.standins.vllm_standin import StandinDims  # noqa: E402
 
@@ -102,13 +103,14 @@ def run_path(path: str, dims, vdims, args, cfg: dict) -> dict:
                 raise SystemExit(f"{path} sync {i}: not bit-exact or not on its path: {bad[:5]} {r} "
                                  f"{[x['capture'] for x in reports]} {reports[0]['detail']}")
             exported = [a["exported"] - b["exported"] for a, b in zip(reports, before)]
+            exported_bytes = [a["exported_bytes"] - b["exported_bytes"] for a, b in zip(reports, before)]
             export_s = [a["export_s"] - b["export_s"] for a, b in zip(reports, before)]
             rows.append(dict(mode=r.mode, wall_s=wall, refit_total_s=r.times["total"],
                              policy_cpu_s=sum(a["cpu_s"] - b["cpu_s"] for a, b in zip(reports, before)),
                              rollout_cpu_s=rollout_cpu,
                              plugin_export_s=r.times.get("export", 0.0), export_generator_s=max(export_s),
-                             exported_tensors_per_worker=exported[0],
-                             exported_bytes_per_worker=(r.dense_bytes if exported[0] else 0),
+                             exported_tensors_per_worker=exported,
+                             exported_bytes_per_worker=exported_bytes,
                              held_bytes_per_worker=[x["held_bytes"] for x in reports],
                              payload_bytes=r.payload_bytes, route_bytes=r.route_bytes, dense_bytes=r.dense_bytes,
                              density=r.density, changed=r.changed, phases_rank0=dict(r.times)))
@@ -117,8 +119,8 @@ def run_path(path: str, dims, vdims, args, cfg: dict) -> dict:
             p.close()
     deltas = rows[1:]
     med = {k: statistics.median(r[k] for r in deltas) for k in
-           ("wall_s", "policy_cpu_s", "rollout_cpu_s", "refit_total_s", "plugin_export_s", "export_generator_s", "payload_bytes", "route_bytes",
-            "density")}
+           ("wall_s", "policy_cpu_s", "rollout_cpu_s", "refit_total_s", "plugin_export_s", "export_generator_s",
+            "payload_bytes", "route_bytes", "density")}
     med["phases_rank0"] = {k: statistics.median(r["phases_rank0"].get(k, 0.0) for r in deltas)
                            for k in sorted({k for r in deltas for k in r["phases_rank0"]})}
     return dict(median_delta=med, attach=rows[0], syncs=rows, memory_after_attach=memory, startup_s=startup,

@@ -20,7 +20,7 @@ nothing of the export runs until it is iterated.  Here:
   DDP-wrapped model); ``prepare_refit_info`` from shapes only (NeMo-RL runs its export on meta
   tensors for it); :meth:`MegatronPolicyWorker.export`, a generator like Bridge's (TP all-gather
   per tensor, then the independent dense conversion :mod:`nemo_dcr.tools.megatron.convert`),
-  counting the tensors it yields and the seconds spent producing them.
+  counting the tensors and bytes it yields and the seconds spent producing them.
 * ``shards_visible=False`` keeps the model off ``.model`` (a policy worker whose model the
   plugin cannot read, like a DTensor policy), so the plugin takes the export path.
 
@@ -222,7 +222,7 @@ class MegatronPolicyWorker(_CheckpointEngineHost):
         self.optimizer = MasterAdamW(local_params(self._chunks, self.dims), self.dims.tie_word_embeddings)
         self.lr = lr
         self.checkpoint_engine = None
-        self.exported, self.export_s = 0, 0.0
+        self.exported, self.exported_bytes, self.export_s = 0, 0, 0.0
 
     # -- NeMo-RL's side of the refit -------------------------------------------------------------
 
@@ -273,6 +273,7 @@ class MegatronPolicyWorker(_CheckpointEngineHost):
             for name, t in tensors.items():
                 if count:
                     self.exported += 1
+                    self.exported_bytes += t.numel() * t.element_size()
                 yield name, t
 
     def init_checkpoint_engine_process_group(self, **topology) -> None:
@@ -303,7 +304,7 @@ class MegatronPolicyWorker(_CheckpointEngineHost):
         return dict(capture=side.capture if side else None, detail=side.capture_detail if side else "",
                     last=side.last if side else None, recovered=list(side.recovered) if side else [],
                     held_bytes=sum(t.numel() * t.element_size() for t in side.held.values()) if side else 0,
-                    exported=self.exported, export_s=self.export_s, memory=rss_mib(), cpu_s=cpu_seconds(),
+                    exported=self.exported, exported_bytes=self.exported_bytes, export_s=self.export_s, memory=rss_mib(), cpu_s=cpu_seconds(),
                     pid=os.getpid())
 
     def fail_next_refit(self) -> None:

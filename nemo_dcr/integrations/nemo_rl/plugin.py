@@ -16,7 +16,8 @@ vLLM worker **at the same time** (one ``ray.get``).  NeMo-RL is never imported: 
   side, as the object holding this engine; :mod:`.shards`) capture from its own megatron-core
   shards and leave NeMo-RL's export iterator unstarted; elsewhere drain the export keeping only
   owned tensors (said once in the log); one :class:`~nemo_dcr.refit.DeltaRefit` ``attach()`` /
-  ``step()`` per sync, then END to every engine rank.  The sender commits only after every engine rank acknowledged (the refit protocol).
+  ``step()`` per sync, then END to every engine rank.  The sender commits only after every engine
+  rank acknowledged (the refit protocol).
   A failure anywhere inside a sync is resynced within the same ``send_weights`` (NeMo-RL does
   not catch ``sync_weights`` errors); only a failed resync raises, naming the rank and cause.
 * Startup refusals (``prepare()``): a NeMo-RL without the checkpoint-engine seam
