@@ -194,7 +194,8 @@ class RefitSender:
         end-of-version marker, through their relay roots (:meth:`RelayPlan.destinations`);
         returns payload bytes put on the transport (after tampering: what really crossed), a
         failed reply for each engine rank a send to failed (the transport's error: a full disk, a
-        lost connection), and ``(root, bytes, its other replicas)`` of each relayed send."""
+        lost connection), and ``(root, bytes, its other replicas)`` of each send (a rank sent
+        its parts directly: no others)."""
         sent, failed, via = 0, {}, []
         self.sent_version = max(self.sent_version, version)
         groups = {g[0]: g[1:] for g in self.relay.groups}
@@ -211,8 +212,7 @@ class RefitSender:
                 self.transport.flush()
             except TransportError as exc:
                 failed[e] = _lost(f"could not send to engine rank {e}: {exc}")
-            if reach > 1:
-                via.append((e, sent - mark, groups[e]))
+            via.append((e, sent - mark, groups[e] if reach > 1 else ()))
         return sent, failed, via
 
     def _exchange(self, kind: MessageKind, version: int, parts, tamper: Tamper | None, clock: PhaseClock,
@@ -223,7 +223,7 @@ class RefitSender:
         have not answered get the parts again, directly, and it has no reply in the list.  A
         failed send to a rank that cannot be detached returns the failed replies at once."""
         ranks = list(self.live if ranks is None else ranks)
-        direct: set[int] = set()
+        direct: set[int] = set()  # sent this version's parts directly (not through a relay)
         got: dict[int, EngineReply] = {}
 
         def lost(e: int, pending: list[int]) -> bool:
@@ -248,6 +248,7 @@ class RefitSender:
 
         with clock(Phase.SEND):
             sent, failed, via = self._send(kind, version, parts, tamper, ranks)
+            direct.update(e for e, _, _ in via if e not in failed)
         with clock(Phase.AWAIT):
             if all([lost(e, []) for e in list(failed)]):
                 got.update(self._await(version, (MessageKind.ACK, MessageKind.NACK),
