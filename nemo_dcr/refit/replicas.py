@@ -22,8 +22,9 @@ views) is never detached: its loss is a lost exchange, recovered as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from .messages import EngineReply
 from .relay import RelayPlan
 
 
@@ -73,6 +74,22 @@ class Replicas:
         self.detached.add(rank)
         self.degraded.add(i)
         return others
+
+    def relayed(self, via, intact: set[tuple[int, ...]], got: Mapping[int, EngineReply], direct: set[int]) -> int:
+        """Payload bytes the relays carried in one exchange: of each send to a root (``via``:
+        ``(root, bytes, its other replicas)``), its bytes times the other replicas when its group
+        is still whole (``intact``: the groups before the exchange that still relay), else times
+        those that answered the version without being sent it directly (the relay broke on the
+        way; what the root broadcast before, the root alone counts: ``RelayStats``)."""
+        whole = intact & set(self.plan().groups)
+        out = 0
+        for root, n, others in via:
+            group = (root, *others)
+            if group in whole:
+                out += n * len(others)
+            else:
+                out += n * sum(1 for m in others if m in got and got[m].version >= 0 and m not in direct)
+        return out
 
     def reattach(self, ranks: Sequence[int]) -> None:
         """Address ``ranks`` again (restarted processes; their groups stay degraded).

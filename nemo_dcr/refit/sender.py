@@ -223,6 +223,7 @@ class RefitSender:
         have not answered get the parts again, directly, and it has no reply in the list.  A
         failed send to a rank that cannot be detached returns the failed replies at once."""
         ranks = list(self.live if ranks is None else ranks)
+        intact = set(self.relay.groups)  # relay groups whole before this exchange
         direct: set[int] = set()  # sent this version's parts directly (not through a relay)
         got: dict[int, EngineReply] = {}
 
@@ -256,8 +257,7 @@ class RefitSender:
             else:  # a rank that cannot be detached: the exchange is lost (nothing more awaited)
                 got = {**got, **failed}
             self._agree_detached()
-        self._relayed += sum(n * sum(1 for m in others if m in got and got[m].version >= 0 and m not in direct)
-                             for _, n, others in via)
+        self._relayed += self.replicas.relayed(via, intact, got, direct)
         return sent, [got[e] for e in self.live if e in got]
 
     def _agree_detached(self) -> None:
