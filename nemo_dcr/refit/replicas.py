@@ -75,6 +75,12 @@ class Replicas:
         self.degraded.add(i)
         return others
 
+    def agree(self, group, engine_ranks: Sequence[int]) -> list[int]:
+        """Detach the engine ranks any trainer rank of ``group`` detached (collective); returns
+        those this rank detached now."""
+        seen = group.sum_ints([int(e in self.detached) for e in engine_ranks])
+        return [e for e, n in zip(engine_ranks, seen) if n and e not in self.detached and self.lose(e) is not None]
+
     def relayed(self, via, intact: set[tuple[int, ...]], got: Mapping[int, EngineReply], direct: set[int]) -> int:
         """Payload bytes the relays carried in one exchange: of each send to a root (``via``:
         ``(root, bytes, its other replicas)``), its bytes times the other replicas when its group

@@ -256,17 +256,11 @@ class RefitSender:
                                        ranks=[e for e in ranks if e not in failed], lost=lost))
             else:  # a rank that cannot be detached: the exchange is lost (nothing more awaited)
                 got = {**got, **failed}
-            self._agree_detached()
+            self._changed_ranks[0].extend(self.replicas.agree(self.group, self.engine_ranks))
+            self.relay = self.replicas.plan()
         self._relayed += self.replicas.relayed(via, intact, got, direct)
         return sent, [got[e] for e in self.live if e in got]
 
-    def _agree_detached(self) -> None:
-        """Every trainer rank detaches the engine ranks any of them found lost (collective)."""
-        seen = self.group.sum_ints([int(e in self.replicas.detached) for e in self.engine_ranks])
-        for e, n in zip(self.engine_ranks, seen):
-            if n and e not in self.replicas.detached and self.replicas.lose(e) is not None:
-                self._changed_ranks[0].append(e)
-        self.relay = self.replicas.plan()
 
     def _await(self, version: int, kinds: tuple[MessageKind, ...], query: Query | None = None,
                ranks: Sequence[int] | None = None, lost=None) -> dict[int, EngineReply]:
