@@ -79,8 +79,8 @@ class Peers:
             TransportTimeout: nothing arrived within ``timeout``.
             TransportError: ``src``'s connection failed (with ``src`` None: any peer's).
         """
-        if src is not None:
-            return self._conn(src)[0].recv(None, timeout)
+        if src is not None or len(self._conns) == 1:  # one connection: its own wait, no polling
+            return self._conn(self.peers[0] if src is None else src)[0].recv(None, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             peers = self.peers
