@@ -111,8 +111,8 @@ class HeldSums:
         for n, view in self.tensors.items():
             bits, runs = host_bits(view.param), self.placed[n].runs
             primary = self._primaries(n)
-            canonical[n] = runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n)
-            views[n] = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, n)
+            canonical[n] = runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n, primary.step)
+            views[n] = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, n, runs.step)
         return EngineChecksums(canonical, {0: views})
 
     def _primaries(self, name: str) -> Runs:
