@@ -119,7 +119,8 @@ def test_runs_of_view_intervals_equal_the_expanded_pairs(seed):
     e, a, b = 3, 5, 7  # stepped runs (a transpose) after plain ones
     t = np.arange(e * a * b)
     canon = np.concatenate([np.arange(40), 100 + rng.permutation(60)[:30], 200 + t])
-    local = np.concatenate([np.arange(40) + 7, 60 + np.arange(30), 500 + t // (a * b) * (a * b) + t % b * a + t // b % a])
+    transposed = t // (a * b) * (a * b) + t % b * a + t // b % a
+    local = np.concatenate([np.arange(40) + 7, 60 + np.arange(30), 500 + transposed])
     runs = Runs.from_pairs(canon, local)
     edges = np.sort(rng.choice(np.arange(1, runs.numel), size=10, replace=False))
     bounds = np.concatenate([[0], edges, [runs.numel]])
