@@ -110,6 +110,31 @@ class Runs:
         k = pos[held] - self.canon[rr[held]]
         return held, self.view_start[rr[held]] + k, self.local[rr[held]] + k * self.step[rr[held]]
 
+    def of_view(self, intervals: Sequence[tuple[int, int]]) -> "Runs":
+        """The runs of the held elements at view indices ``[start, start + length)`` of each
+        interval (sorted, disjoint): each run cut at the intervals' ends.  Cost ∝ runs and
+        intervals, never a pass over the elements (the same map as :meth:`from_pairs` of the
+        expanded pairs, with runs split where an interval ends)."""
+        iv = np.asarray(intervals, np.int64).reshape(-1, 2)
+        iv = iv[iv[:, 1] > 0]
+        if not iv.size or not self.canon.size:
+            return Runs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        lo, hi = iv[:, 0], iv[:, 0] + iv[:, 1]
+        vs = self.view_start
+        if int(lo.min()) < 0 or int(hi.max()) > self.numel:
+            raise PlacementError(f"view intervals reach outside the {self.numel} held elements")
+        first = np.searchsorted(vs, lo, side="right") - 1  # the run holding each interval's start
+        last = np.searchsorted(vs, hi, side="left") - 1  # the run holding its last element
+        count = last - first + 1
+        which = np.repeat(np.arange(iv.shape[0]), count)
+        r = first[which] + np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        a = np.maximum(lo[which], vs[r])
+        b = np.minimum(hi[which], vs[r] + self.length[r])
+        keep = b > a
+        r, a, b = r[keep], a[keep], b[keep]
+        off = a - vs[r]
+        return Runs(self.canon[r] + off, self.local[r] + off * self.step[r], b - a, self.step[r].copy())
+
     def view_to_local(self, view: np.ndarray) -> np.ndarray:
         """Engine-local flat index of view indices ``view``."""
         return self._from_view(view, self.local, self.step)

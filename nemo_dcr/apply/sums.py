@@ -111,16 +111,16 @@ class HeldSums:
         for n, view in self.tensors.items():
             bits, runs = host_bits(view.param), self.placed[n].runs
             primary = self._primaries(n)
-            canonical[n] = runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n)
-            views[n] = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, n)
+            canonical[n] = runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n, primary.step)
+            views[n] = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, n, runs.step)
         return EngineChecksums(canonical, {0: views})
 
     def _primaries(self, name: str) -> Runs:
-        """Runs of the elements of ``name`` this rank is the primary holder of (built once)."""
+        """Runs of the elements of ``name`` this rank is the primary holder of (built once, from
+        the runs and the primary intervals: cost ∝ runs, never a pass over the elements)."""
         if name not in self._primary_runs:
             tp = self.placed[name]
-            view = _primary_view(tp)
-            self._primary_runs[name] = Runs.from_pairs(tp.runs.view_to_canon(view), tp.runs.view_to_local(view))
+            self._primary_runs[name] = tp.runs.of_view(tp.primary)
         return self._primary_runs[name]
 
     @property
