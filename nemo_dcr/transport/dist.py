@@ -92,7 +92,11 @@ class DistTransport:
     def _post(self, tensor: torch.Tensor, dst: int) -> None:
         while len(self._inflight) >= self.max_inflight:
             self._wait(*self._inflight.popleft()[::2])
-        self._inflight.append((self.pg.send([tensor], dst, _TAG), tensor, dst))
+        try:
+            work = self.pg.send([tensor], dst, _TAG)
+        except RuntimeError as exc:  # gloo refuses to post on a connection that already closed
+            raise self._broken(dst, "sending to it", exc) from None
+        self._inflight.append((work, tensor, dst))
 
     def send(self, dst: int, env: Envelope) -> None:
         """Queue ``env`` for ``dst``; returns once its last chunk is posted (thread-safe: the

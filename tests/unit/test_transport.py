@@ -124,3 +124,22 @@ def test_a_peer_that_dies_is_a_clear_error_at_once_not_a_timeout(tmp_path):
         t.send(1, _env(3))
     assert time.monotonic() - t0 < 30 and 1 in t.lost
     t.close(timeout=5)  # nothing left to wait for
+
+
+def test_a_send_gloo_refuses_to_post_names_the_lost_peer():
+    """gloo raises from ``send`` itself when the peer's connection closed before the receiver
+    thread saw it: that is the peer lost too, not a raw RuntimeError out of the refit."""
+
+    class ClosedPair:
+        def size(self):
+            return 2
+
+        def send(self, tensors, dst, tag):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18328")
+
+    t = DistTransport(ClosedPair(), 0)
+    with pytest.raises(TransportError, match=r"connection to rank 1 was lost while sending to it"):
+        t.send(1, _env(1))
+    assert 1 in t.lost
+    with pytest.raises(TransportError, match=r"connection to rank 1 was lost"):
+        t.send(1, _env(2))
