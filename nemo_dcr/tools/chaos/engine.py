@@ -244,6 +244,7 @@ def engine_main(cfg, generation: int) -> None:
         th.start()
     while True:
         server = EngineServer(engine, _transport(cfg, wd, generation), list(range(cfg.trainers)))
+        wd.publish("engine-joined", dict(pid=os.getpid(), gen=generation))
         note = server.stats.note
         server.stats.note = lambda v, what, detail="", note=note: (note(v, what, detail),
                                                                    log(dict(event=[v, what, detail[:300]])))

@@ -86,6 +86,23 @@ class Supervisor:
             row["trainers"] = dict(pid=trainers[0].pid, mb=round(sum(mb[p.pid] for p in trainers), 1))
         self.wd.append("supervisor.jsonl", dict(rss=row))
 
+    def _joined(self, marker: str, p) -> bool:
+        """Whether process ``p`` has joined the refit group of the current generation (the engine
+        and trainer rank 0 publish ``engine-joined`` / ``trainers-joined`` once it is formed)."""
+        seen = self.wd.look(marker) or {}
+        return seen.get("pid") == p.pid and seen.get("gen") == self.generation
+
+    def _stop(self, procs, why: str) -> None:
+        """SIGKILL processes on purpose (logged as ``stopped``, not as deaths: no fault did it)."""
+        for p in procs:
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL) if p.name.startswith("chaos-engine") else p.kill()
+        for p in procs:
+            p.join(60)
+            self.wd.append("supervisor.jsonl", dict(stopped=p.name, pid=p.pid, why=why, gen=self.generation,
+                                                    t=round(time.time(), 3)))
+
     def _died(self, role: str, rank: int, p) -> dict:
         row = dict(died=role, rank=rank, pid=p.pid, code=p.exitcode, gen=self.generation, t=round(time.time(), 3))
         self.wd.append("supervisor.jsonl", row)
@@ -110,16 +127,21 @@ class Supervisor:
                     self._died("engine", self.cfg.trainers, engine)
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(engine.pid, signal.SIGKILL)  # what it started (vLLM's engine core)
+                    stuck = not self._joined("trainers-joined", trainers[0])
                     engine = self._next_generation("the engine process died", engine=True)
+                    if stuck:  # they wait in the dead engine's rendezvous, which nothing completes
+                        self._stop(trainers, "waiting to join the refit group of an engine that died")
+                        trainers = [self._start("trainer", r, dict(after=[])) for r in range(self.cfg.trainers)]
                 dead = [(r, p) for r, p in enumerate(trainers) if p.exitcode not in (None, 0)]
                 if dead:
                     seen = [self._died("trainer", r, p) for r, p in dead]
-                    for p in trainers:
-                        if p.exitcode is None:
-                            p.kill()  # the others may wait on it in a collective
-                    for p in trainers:
-                        p.join(60)
-                    self._next_generation("a trainer process died")
+                    self._stop([p for p in trainers if p.exitcode is None], "a trainer rank of its job died")
+                    if engine.exitcode is None and not self._joined("engine-joined", engine):
+                        # it waits in a rendezvous with the dead job's ranks, which nothing completes
+                        self._stop([engine], "waiting to join the refit group of a trainer job that died")
+                        engine = self._next_generation("a trainer process died", engine=True)
+                    else:
+                        self._next_generation("a trainer process died")
                     trainers = [self._start("trainer", r, dict(after=seen)) for r in range(self.cfg.trainers)]
                 self.wd.publish("status", dict(gen=self.generation, t=looked))
                 if time.monotonic() >= next_sample:

@@ -91,6 +91,8 @@ class Trainer:
 
         self._engine_up()
         self.switch = KillSwitch(refit_transport(self.cfg, self.wd, self.rank, generation), self.wd)
+        if self.rank == 0:  # the group is formed: every rank and the engine are in it
+            self.wd.publish("trainers-joined", dict(pid=os.getpid(), gen=generation))
         return engine_wiring(self.switch, range(self.cfg.trainers), [self.cfg.trainers], self.group)
 
     def _engine_up(self, timeout: float = 900.0) -> None:
