@@ -18,7 +18,7 @@ Everything here is framework-free (torch and numpy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -100,6 +100,41 @@ class Runs:
         rep = np.repeat(np.arange(self.length.size), self.length)
         k = np.arange(self.numel, dtype=np.int64) - np.repeat(self.view_start, self.length)
         return self.canon[rep] + k, self.local[rep] + k * self.step[rep]
+
+    def pieces(self, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`expand` in view-order pieces of at most about ``chunk`` elements (long runs are
+        split): a pass over the held elements with temporaries bounded by ``chunk``."""
+        canon, local, length, step = [], [], [], []
+        for c, l, n, k in zip(self.canon.tolist(), self.local.tolist(), self.length.tolist(), self.step.tolist()):
+            for s in range(0, n, chunk):
+                canon.append(c + s), local.append(l + s * k), length.append(min(chunk, n - s)), step.append(k)
+        ends = np.cumsum(np.array(length, np.int64))
+        lo = 0
+        while lo < len(length):
+            hi = int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + chunk, side="right"))
+            hi = max(hi, lo + 1)
+            yield Runs(*(np.array(v[lo:hi], np.int64) for v in (canon, local, length, step))).expand()
+            lo = hi
+
+    def restrict(self, intervals: Sequence[tuple[int, int]], view: bool = False) -> "Runs":
+        """The runs of the held elements at view indices ``intervals`` (sorted, disjoint
+        ``(start, length)``, e.g. a placement's primary); ``view``: their ``local`` is the view
+        index (step 1) instead of the engine-local one.  Cost ∝ runs plus intervals, never a pass
+        over the elements."""
+        starts = np.array([a for a, _ in intervals], np.int64)
+        ends = starts + np.array([n for _, n in intervals], np.int64)
+        vs = self.view_start
+        cuts = np.unique(np.concatenate([vs, vs + self.length, starts, ends]))
+        a, b = cuts[:-1], cuts[1:]
+        i = np.searchsorted(starts, a, side="right") - 1
+        inside = (i >= 0) & (a < ends[np.maximum(i, 0)]) if starts.size else np.zeros(a.size, bool)
+        r = np.searchsorted(vs, a, side="right") - 1
+        inside &= (r >= 0) & (a < (vs + self.length)[np.maximum(r, 0)]) if vs.size else False
+        a, b, r = a[inside], b[inside], r[inside]
+        k = a - vs[r]
+        if view:
+            return Runs(self.canon[r] + k, a, b - a)
+        return Runs(self.canon[r] + k, self.local[r] + k * self.step[r], b - a, self.step[r])
 
     def select(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For sorted canonical ``positions``: (held mask, view index, local index) of the held ones."""

@@ -69,6 +69,8 @@ class SenderMirror:
         out = []
         for d in pieces:
             pos, new, old = changes_at(self.bits[d.name], d.positions, d.new_bits)
+            if pos.size == d.positions.size and d.positions.flags.c_contiguous and d.new_bits.flags.c_contiguous:
+                pos, new = d.positions, d.new_bits  # every entry changes: keep the piece's arrays (no copy of them)
             out.append(SparseDelta(d.name, d.dtype, d.shape, pos, new, old))
         return out
 
