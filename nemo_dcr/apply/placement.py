@@ -93,7 +93,7 @@ class Runs:
     @property
     def view_start(self) -> np.ndarray:
         """View index ``j`` of each run's first element."""
-        return np.concatenate([[0], np.cumsum(self.length)[:-1]]).astype(np.int64)
+        return (np.cumsum(self.length) - self.length).astype(np.int64)
 
     def expand(self) -> tuple[np.ndarray, np.ndarray]:
         """All (canonical, local) pairs in view order (O(held elements); for tests and gathers)."""

@@ -107,6 +107,27 @@ def test_stepped_runs_map_a_transpose_one_run_per_row():
     assert held.all() and loc.tolist() == local[[5, 23]].tolist()
 
 
+def test_restrict_and_pieces_follow_the_expanded_runs():
+    e, a, b = 2, 3, 4
+    canon = np.concatenate([np.arange(e * a * b), np.arange(100, 110)])
+    local = np.concatenate([canon[:24] // (a * b) * (a * b) + canon[:24] % b * a + canon[:24] // b % a,
+                            np.arange(40, 50)])  # a transpose (step a), then one plain run
+    runs = Runs.from_pairs(canon, local)
+    c, l = runs.expand()
+    for intervals in [((0, 34),), ((0, 5), (7, 1), (20, 10)), ((33, 1),), ()]:
+        mask = np.zeros(c.size, bool)
+        for s, n in intervals:
+            mask[s:s + n] = True
+        got_c, got_l = runs.restrict(intervals).expand()
+        assert got_c.tolist() == c[mask].tolist() and got_l.tolist() == l[mask].tolist()
+        vc, vl = runs.restrict(intervals, view=True).expand()
+        assert vc.tolist() == c[mask].tolist() and vl.tolist() == np.flatnonzero(mask).tolist()
+    parts = list(runs.pieces(5))
+    assert all(p[0].size <= 5 for p in parts)
+    assert np.concatenate([p[0] for p in parts]).tolist() == c.tolist()
+    assert np.concatenate([p[1] for p in parts]).tolist() == l.tolist()
+
+
 class _Twice(torch.nn.Module):
     """A loader that writes one canonical element at two positions, and one that scales."""
 
