@@ -19,7 +19,8 @@ started on it, and this process measures:
   engine holds, with the peak RSS growth of the process during it (trainer and engine side: the
   benchmark holds both);
 * ``attach_rss_kept``: RSS growth from before the probe to after the first sync, less the
-  trainer's own copy of the weights (what attaching leaves behind, malloc's free lists included).
+  trainer's own copy of the weights, after ``malloc_trim`` (what attaching leaves held: the
+  engine's class indexes, the trainer's mirror and its indexes).
 
 Printed per size: seconds, seconds per billion parameters and the ratio to ``vllm_load``.
 """
@@ -100,6 +101,16 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim() -> None:
+    """Hand malloc's free lists back to the system (glibc), so RSS counts what is still held."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def measure(model_dir: Path, params: int) -> dict:
     from nemo_dcr.checkpoint import load_checkpoint
     from nemo_dcr.config.schema import DcrConfig
@@ -125,6 +136,7 @@ def measure(model_dir: Path, params: int) -> dict:
         refit = DeltaRefit(cfg, CanonicalSource(tensors), colocated_wiring(cfg, 0, KEY), engine, key=KEY)
         report = refit.attach()
         t_sync = time.perf_counter() - t0
+    _trim()
     kept = _rss() - before - trainer
     refit.close(60)
     engine.close()
