@@ -116,26 +116,6 @@ class Runs:
             yield Runs(*(np.array(v[lo:hi], np.int64) for v in (canon, local, length, step))).expand()
             lo = hi
 
-    def restrict(self, intervals: Sequence[tuple[int, int]], view: bool = False) -> "Runs":
-        """The runs of the held elements at view indices ``intervals`` (sorted, disjoint
-        ``(start, length)``, e.g. a placement's primary); ``view``: their ``local`` is the view
-        index (step 1) instead of the engine-local one.  Cost ∝ runs plus intervals, never a pass
-        over the elements."""
-        starts = np.array([a for a, _ in intervals], np.int64)
-        ends = starts + np.array([n for _, n in intervals], np.int64)
-        vs = self.view_start
-        cuts = np.unique(np.concatenate([vs, vs + self.length, starts, ends]))
-        a, b = cuts[:-1], cuts[1:]
-        i = np.searchsorted(starts, a, side="right") - 1
-        inside = (i >= 0) & (a < ends[np.maximum(i, 0)]) if starts.size else np.zeros(a.size, bool)
-        r = np.searchsorted(vs, a, side="right") - 1
-        inside &= (r >= 0) & (a < (vs + self.length)[np.maximum(r, 0)]) if vs.size else False
-        a, b, r = a[inside], b[inside], r[inside]
-        k = a - vs[r]
-        if view:
-            return Runs(self.canon[r] + k, a, b - a)
-        return Runs(self.canon[r] + k, self.local[r] + k * self.step[r], b - a, self.step[r])
-
     def select(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For sorted canonical ``positions``: (held mask, view index, local index) of the held ones."""
         pos = np.asarray(positions, np.int64)
@@ -144,6 +124,31 @@ class Runs:
         held = (r >= 0) & (pos < self.canon[rr] + self.length[rr]) if self.canon.size else np.zeros(pos.size, bool)
         k = pos[held] - self.canon[rr[held]]
         return held, self.view_start[rr[held]] + k, self.local[rr[held]] + k * self.step[rr[held]]
+
+    def of_view(self, intervals: Sequence[tuple[int, int]]) -> "Runs":
+        """The runs of the held elements at view indices ``[start, start + length)`` of each
+        interval (sorted, disjoint): each run cut at the intervals' ends.  Cost ∝ runs and
+        intervals, never a pass over the elements (the same map as :meth:`from_pairs` of the
+        expanded pairs, with runs split where an interval ends)."""
+        iv = np.asarray(intervals, np.int64).reshape(-1, 2)
+        iv = iv[iv[:, 1] > 0]
+        if not iv.size or not self.canon.size:
+            return Runs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        lo, hi = iv[:, 0], iv[:, 0] + iv[:, 1]
+        vs = self.view_start
+        if int(lo.min()) < 0 or int(hi.max()) > self.numel:
+            raise PlacementError(f"view intervals reach outside the {self.numel} held elements")
+        first = np.searchsorted(vs, lo, side="right") - 1  # the run holding each interval's start
+        last = np.searchsorted(vs, hi, side="left") - 1  # the run holding its last element
+        count = last - first + 1
+        which = np.repeat(np.arange(iv.shape[0]), count)
+        r = first[which] + np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        a = np.maximum(lo[which], vs[r])
+        b = np.minimum(hi[which], vs[r] + self.length[r])
+        keep = b > a
+        r, a, b = r[keep], a[keep], b[keep]
+        off = a - vs[r]
+        return Runs(self.canon[r] + off, self.local[r] + off * self.step[r], b - a, self.step[r].copy())
 
     def view_to_local(self, view: np.ndarray) -> np.ndarray:
         """Engine-local flat index of view indices ``view``."""

@@ -75,7 +75,8 @@ class HeldSums:
         """Canonical partial sum of ``name``'s primary elements, from the runs of the primary view
         intervals (no per-element index arrays)."""
         tp = self.placed[name]
-        primary = tp.runs.restrict(tp.primary, view=True)
+        r = tp.runs
+        primary = Runs(r.canon, r.view_start, r.length).of_view(tp.primary)  # local: the view index
         return runs_checksum(_bits(self.tensors[name]), primary.local, primary.canon, primary.length)
 
     def rescan(self, names: Iterable[str] | None = None) -> None:
@@ -107,15 +108,16 @@ class HeldSums:
         for n, view in self.tensors.items():
             bits, runs = host_bits(view.param), self.placed[n].runs
             primary = self._primaries(n)
-            canonical[n] = runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n)
-            views[n] = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, n)
+            canonical[n] = runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n, primary.step)
+            views[n] = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, n, runs.step)
         return EngineChecksums(canonical, {0: views})
 
     def _primaries(self, name: str) -> Runs:
-        """Runs of the elements of ``name`` this rank is the primary holder of (built once)."""
+        """Runs of the elements of ``name`` this rank is the primary holder of (built once, from
+        the runs and the primary intervals: cost ∝ runs, never a pass over the elements)."""
         if name not in self._primary_runs:
             tp = self.placed[name]
-            self._primary_runs[name] = tp.runs.restrict(tp.primary)
+            self._primary_runs[name] = tp.runs.of_view(tp.primary)
         return self._primary_runs[name]
 
     @property

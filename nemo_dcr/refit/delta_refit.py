@@ -193,13 +193,20 @@ class DeltaRefit:
         report = self.sender.attach(pieces, self._checksums)
         return replace(report, times={**clock.seconds, **report.times})
 
+    def reattach(self, ranks: Sequence[int]) -> RefitReport:
+        """Engine ranks detached after their process died (:attr:`RefitReport.detached`) are
+        back, restarted, their connections replaced in the transport: bring them to the others'
+        version, each resynced alone (:meth:`RefitSender.reattach`; collective)."""
+        t0 = time.perf_counter()
+        return self._finish(self.sender.reattach(ranks, self._checksums), None, t0)
+
     def _preflight(self) -> None:
         """Every engine against its own dense load of what it now holds (``dcr.preflight``).
 
         Raises:
             PreflightError: naming what differs, on which engine rank.
         """
-        failed = [f"engine rank {e}: {r.reason}" for e, r in zip(self.wiring.engine_ranks, self.sender.query(Ask.PREFLIGHT))
+        failed = [f"engine rank {e}: {r.reason}" for e, r in zip(self.sender.live, self.sender.query(Ask.PREFLIGHT))
                   if not r.ok]
         if failed:
             raise PreflightError(failed)
@@ -212,10 +219,10 @@ class DeltaRefit:
         if failed:
             raise RuntimeError(f"engines did not answer the placement query: {failed}")
         if any(r.placement for r in replies):
-            missing = [e for e, r in zip(self.wiring.engine_ranks, replies) if not r.placement]
+            missing = [e for e, r in zip(self.sender.live, replies) if not r.placement]
             if missing:
                 raise RuntimeError(f"engine ranks {missing} hold canonical tensors whole while others hold shards")
-            routes = {(e, s): placement_from_json(p) for e, r in zip(self.wiring.engine_ranks, replies)
+            routes = {(e, s): placement_from_json(p) for e, r in zip(self.sender.live, replies)
                       for s, p in enumerate(r.placement)}
             self.sender.set_routes(routes)
 

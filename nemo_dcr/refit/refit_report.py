@@ -36,7 +36,8 @@ class RefitReport:
             (docs/wire_format.md section 7.5; a rank's changes of the tensors it owns stay on it).
         fanout_bytes: payload bytes the engines' relay roots pass on to the other replicas of
             their view inside the rollout cluster (``dcr.fanout: relay``; refit/relay.py): what was
-            sent to each root times its other replicas.
+            sent to each root times its other replicas that answered that version without being
+            sent it directly (a replica whose relay broke mid-version got it directly).
         dense_bytes: bytes of the whole model in its serving dtype (a dense refit's payload).
         bytes_by_encoding: payload bytes of the same changes in other encodings (telemetry).
         by_layer_type: layer type -> ``{"changed": n, "numel": m}``.
@@ -58,6 +59,9 @@ class RefitReport:
             delta, encoded, not sent) and the FP8 weights' part alone: ``bf16_weights_delta_bytes``
             (their BF16 delta) and ``fp8_weights_delta_bytes`` (their FP8 bytes and scales), each
             encoded on its own, not sent.  Empty for a BF16 engine.
+        detached: engine ranks found lost in this refit (their process died) and detached, the
+            version committed on the other replicas of their views (refit/replicas.py).
+        resynced_ranks: engine ranks a resync was sent to in this refit (as sent; empty: none).
         host_device_bytes: bytes the trainer ranks copied between host and device in this refit
             (``to_host``, ``to_device``; summed over the ranks; the capture scan's changes and the
             baseline's commit on a GPU trainer, :mod:`nemo_dcr.kernels.traffic`); zeros for attach (not measured).
@@ -81,6 +85,8 @@ class RefitReport:
     engine_format: dict[str, int] = field(default_factory=dict)
     bytes_by_host: dict[str, dict[str, int]] = field(default_factory=dict)
     host_device_bytes: dict[str, int] = field(default_factory=dict)
+    detached: tuple[int, ...] = ()
+    resynced_ranks: tuple[int, ...] = ()
 
     @property
     def bytes_on_links(self) -> dict[str, int]:

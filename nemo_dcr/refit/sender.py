@@ -14,6 +14,7 @@ through the same protocol (a delta at 100% density).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
@@ -22,7 +23,7 @@ from nemo_dcr.codec import Identity, encode_deltas
 from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.telemetry.phases import Phase, PhaseClock
-from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError
+from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError, TransportTimeout
 from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import MASK64
 from nemo_dcr.verify.compare import ChecksumMismatch, VerifyReport, compare
@@ -36,6 +37,7 @@ from .mirror import SenderMirror
 from .payloads import resync_payload
 from .refit_report import RefitReport
 from .relay import RelayPlan
+from .replicas import Replicas
 from .route_views import Router
 
 def _lost(reason: str) -> EngineReply:
@@ -45,6 +47,9 @@ def _lost(reason: str) -> EngineReply:
 
 Tamper = Callable[[list[Envelope]], list[Envelope]]
 """Fault injection between encoding and sending (chaos): may drop, duplicate, reorder, corrupt."""
+
+_POLL_S = 0.05
+"""While awaiting replies, how long to wait on one engine rank before looking at the next."""
 
 RAW_BYTES_PER_CHANGE = 10
 """Bytes of one changed bf16 element before coding (int64 position + bits): sizes payload parts."""
@@ -107,12 +112,20 @@ class RefitSender:
     lost exchange (an engine that stalled, then read them) cannot commit under the recovery's number."""
     _detected: list[str] = field(default_factory=list)
     _relayed: int = 0
-    """Payload bytes the relay roots pass on inside the rollout cluster this refit (what was sent to
-    each root times its other replicas)."""
+    """Payload bytes the relay roots passed on inside the rollout cluster this refit: what was sent
+    to each root times its other replicas that answered that version without a direct send."""
+    _changed_ranks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    """Engine ranks detached, and ranks sent a resync, this refit (refit/replicas.py)."""
 
     def __post_init__(self):
         self.relay = self.relay or RelayPlan.direct(self.engine_ranks)
+        self.replicas = Replicas.of(self.relay)
         self.set_routes(self.routes)
+
+    @property
+    def live(self) -> list[int]:
+        """The engine ranks addressed now: all but the detached ones (refit/replicas.py)."""
+        return self.replicas.live(self.engine_ranks)
 
     def set_mirror(self, mirror: SenderMirror | Fp8Mirror) -> None:
         """Start over from ``mirror`` (a fresh one: the trainer's weights are re-read)."""
@@ -151,7 +164,7 @@ class RefitSender:
         sent = self.mirror.stage(owned, ident.target_version)
         if self._fanout is None:
             parts = self.mirror.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
-            return sent, {(e, 0): parts for e in self.engine_ranks}
+            return sent, {(e, 0): parts for e in self.live}
         return sent, self._fanout.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
 
     def _reset(self, names: Sequence[str], version: int) -> None:
@@ -168,53 +181,122 @@ class RefitSender:
         """The views of this refit's route move with the capture baseline (only when it
         committed); the report gets the routing bytes this rank sent."""
         self.router.end(report.committed)
-        return replace(report, route_bytes=self.router.sent.to_others, fanout_bytes=self._relayed)
+        detached, resynced = self._changed_ranks
+        return replace(report, route_bytes=self.router.sent.to_others, fanout_bytes=self._relayed,
+                       detached=tuple(detached), resynced_ranks=tuple(sorted(set(resynced))))
+
+    def _start(self) -> None:
+        self._detected, self._relayed, self._changed_ranks = [], 0, ([], [])
 
     def _send(self, kind: MessageKind, version: int, parts: Mapping[tuple[int, int], Sequence[bytes]],
-              tamper: Tamper | None, ranks: Sequence[int] | None = None) -> tuple[int, list[EngineReply]]:
-        """Send the engine ranks (``ranks``, default all) their parts (numbered across its shards) and
-        an end-of-version marker, through their relay roots (:meth:`RelayPlan.destinations`);
-        returns payload bytes put on the transport (after tampering: what really crossed) and a
+              tamper: Tamper | None, ranks: Sequence[int]) -> tuple[int, dict[int, EngineReply], list]:
+        """Send the engine ranks ``ranks`` their parts (numbered across its shards) and an
+        end-of-version marker, through their relay roots (:meth:`RelayPlan.destinations`);
+        returns payload bytes put on the transport (after tampering: what really crossed), a
         failed reply for each engine rank a send to failed (the transport's error: a full disk, a
-        lost connection), whose answer is then not awaited."""
-        sent, failed = 0, []
+        lost connection), and ``(root, bytes, its other replicas)`` of each send (a rank sent
+        its parts directly: no others)."""
+        sent, failed, via = 0, {}, []
         self.sent_version = max(self.sent_version, version)
-        for e, reach in self.relay.destinations(self.engine_ranks if ranks is None else ranks):
+        groups = {g[0]: g[1:] for g in self.relay.groups}
+        for e, reach in self.relay.destinations(ranks):
             mine = [(s, p) for (rank, s), ps in sorted(parts.items()) if rank == e for p in ps]
             envs = [Envelope(kind, version, self.transport.rank, i, False, p, shard=s) for i, (s, p) in enumerate(mine)]
             envs = tamper(envs) if tamper else envs
             envs.append(Envelope(kind, version, self.transport.rank, len(mine), True))
+            mark = sent
             try:
                 for env in envs:
                     self.transport.send(e, env)
                     sent += len(env.body)
-                    self._relayed += len(env.body) * (reach - 1)
                 self.transport.flush()
             except TransportError as exc:
-                failed.append(_lost(f"could not send to engine rank {e}: {exc}"))
-        return sent, failed
+                failed[e] = _lost(f"could not send to engine rank {e}: {exc}")
+            via.append((e, sent - mark, groups[e] if reach > 1 else ()))
+        return sent, failed, via
+
+    def _exchange(self, kind: MessageKind, version: int, parts, tamper: Tamper | None, clock: PhaseClock,
+                  ranks: Sequence[int] | None = None) -> tuple[int, list[EngineReply]]:
+        """Send ``ranks`` (default: the attached ones) their parts of ``version`` and await their
+        replies, in the order of :attr:`live`.  A rank whose process died is detached when another
+        replica of its views is attached (refit/replicas.py): the members of its relay group that
+        have not answered get the parts again, directly, and it has no reply in the list.  A
+        failed send to a rank that cannot be detached returns the failed replies at once."""
+        ranks = list(self.live if ranks is None else ranks)
+        intact = set(self.relay.groups)  # relay groups whole before this exchange
+        direct: set[int] = set()  # sent this version's parts directly (not through a relay)
+        got: dict[int, EngineReply] = {}
+
+        def lost(e: int, pending: list[int]) -> bool:
+            nonlocal sent
+            group = None if self.routes is not None else self.replicas.lose(e)  # routed views: not done
+            if group is None:
+                return False
+            if e not in self._changed_ranks[0]:
+                self._changed_ranks[0].append(e)
+                self._detected.append(f"engine rank {e} lost (its process died?): detached, its relay group direct")
+            self.relay = self.replicas.plan()
+            again = [m for m in group if m in ranks and m not in got and m not in direct]
+            direct.update(again)
+            more, failed, _ = self._send(kind, version, parts, None, again)
+            sent += more
+            for m in failed:
+                if m in pending:
+                    pending.remove(m)
+                if not lost(m, pending):
+                    got[m] = failed[m]
+            return True
+
+        with clock(Phase.SEND):
+            sent, failed, via = self._send(kind, version, parts, tamper, ranks)
+            direct.update(e for e, _, _ in via if e not in failed)
+        with clock(Phase.AWAIT):
+            if all([lost(e, []) for e in list(failed)]):
+                got.update(self._await(version, (MessageKind.ACK, MessageKind.NACK),
+                                       ranks=[e for e in ranks if e not in failed], lost=lost))
+            else:  # a rank that cannot be detached: the exchange is lost (nothing more awaited)
+                got = {**got, **failed}
+            self._changed_ranks[0].extend(self.replicas.agree(self.group, self.engine_ranks))
+            self.relay = self.replicas.plan()
+        self._relayed += self.replicas.relayed(via, intact, got, direct)
+        return sent, [got[e] for e in self.live if e in got]
+
 
     def _await(self, version: int, kinds: tuple[MessageKind, ...], query: Query | None = None,
-               ranks: Sequence[int] | None = None) -> list[EngineReply]:
-        """Every engine rank's (of ``ranks``, default all) reply of one of ``kinds`` about
-        ``version`` (or answering ``query``); other messages are stale and skipped.  No reply, or
-        a malformed one, is a failed reply (version -1)."""
-        replies = []
-        for e in self.engine_ranks if ranks is None else ranks:
-            while True:
-                try:
-                    env = self.transport.recv(src=e, timeout=self.cfg.reply_timeout_s)
-                    if env.kind not in kinds or (query is None and env.version != version):
-                        continue
-                    reply = EngineReply.from_bytes(env.body)
-                except TransportError as exc:
-                    reply = _lost(f"no reply from engine rank {e} within {self.cfg.reply_timeout_s:g}s: {exc}")
-                except MessageFormatError as exc:
-                    reply = EngineReply(False, -1, reason=f"malformed reply from engine rank {e}: {exc}")
-                if query is None or reply.query == query or reply.version < 0:
-                    replies.append(reply)
-                    break
-        return replies
+               ranks: Sequence[int] | None = None, lost=None) -> dict[int, EngineReply]:
+        """Every engine rank's (of ``ranks``, default the attached ones) reply of one of ``kinds``
+        about ``version`` (or answering ``query``), looking at each in turn until none answered for
+        ``reply_timeout_s``; other messages are stale and skipped.  No reply, or a malformed one,
+        is a failed reply (version -1).  A rank whose connection was lost is first offered to
+        ``lost(rank, pending)`` (True: it was detached and has no reply)."""
+        pending, got = list(self.live if ranks is None else ranks), {}
+        deadline = time.monotonic() + self.cfg.reply_timeout_s
+        while pending:
+            e = pending.pop(0)
+            try:
+                env = self.transport.recv(src=e, timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
+                if env.kind not in kinds or (query is None and env.version != version):
+                    pending.insert(0, e)
+                    continue
+                deadline = time.monotonic() + self.cfg.reply_timeout_s
+                reply = EngineReply.from_bytes(env.body)
+            except TransportTimeout as exc:
+                if time.monotonic() < deadline:
+                    pending.append(e)
+                    continue
+                reply = _lost(f"no reply from engine rank {e} (nor any other) within {self.cfg.reply_timeout_s:g}s: "
+                              f"{exc}")
+            except TransportError as exc:
+                if lost is not None and lost(e, pending):
+                    continue
+                reply = _lost(f"no reply from engine rank {e}: {exc}")
+            except MessageFormatError as exc:
+                reply = EngineReply(False, -1, reason=f"malformed reply from engine rank {e}: {exc}")
+            if query is None or reply.query == query or reply.version < 0:
+                got[e] = reply
+            else:
+                pending.insert(0, e)
+        return got
 
     def query(self, ask: Ask = Ask.FULL, sample: Sample | None = None) -> list[EngineReply]:
         """Ask every engine rank for its state (version and checksums; ``ask`` selects what, a
@@ -223,15 +305,14 @@ class RefitSender:
         self.queries += 1
         query = Query(ask, self.queries, sample)
         failed: dict[int, EngineReply] = {}
-        for e in self.engine_ranks:
+        for e in self.live:
             try:
                 self.transport.send(e, Envelope(MessageKind.QUERY, 0, self.transport.rank, body=query.to_bytes()))
                 self.transport.flush()
             except TransportError as exc:
                 failed[e] = _lost(f"could not send a query to engine rank {e}: {exc}")
-        if not failed:
-            return self._await(0, (MessageKind.STATE,), query)
-        return [failed.get(e) or self._await(0, (MessageKind.STATE,), query, [e])[0] for e in self.engine_ranks]
+        got = self._await(0, (MessageKind.STATE,), query, [e for e in self.live if e not in failed])
+        return [failed.get(e) or got[e] for e in self.live]
 
     def _agree(self, replies: Sequence[EngineReply]) -> tuple[bool, bool]:
         """(every rank's replies all ok, some rank lost an exchange): collective, the same on
@@ -251,7 +332,7 @@ class RefitSender:
         totals = self.group.sum_u64(self.mirror.trainer_side(trainer, sample), names)
         version = max(r.version for r in replies)
         if self._fanout is None:  # every rank holds every tensor whole: each rank's own values
-            return _each_rank(totals, self.engine_ranks, replies, version, full, sample, live)
+            return _each_rank(totals, self.live, replies, version, full, sample, live)
         engine: dict[str, int] = {}
         for r in replies:  # canonical partial sums of each rank
             for n, c in r.checksums.items():
@@ -271,7 +352,7 @@ class RefitSender:
         """Route key -> the view checksums its engine shard reported (None: its rank did not answer;
         empty: it answered without that shard's views, so every view it holds differs)."""
         out: dict[tuple[int, int], dict[str, int] | None] = {}
-        for e, r in zip(self.engine_ranks, replies):
+        for e, r in zip(self.live, replies):
             for key in (k for k in self.routes if k[0] == e):
                 out[key] = r.views.get(key[1], {}) if r.ok else None
         return out
@@ -333,7 +414,7 @@ class RefitSender:
 
     def _refit(self, pieces, trainer_checksums, full, sample, live, tamper, base_skew, telemetry) -> RefitReport:
         self.refits += 1
-        self._detected, self._relayed = [], 0
+        self._start()
         clock = PhaseClock()
         version = self.mirror.version + 1
         with clock(Phase.ROUTE):
@@ -342,10 +423,8 @@ class RefitSender:
             owned = self.mirror.changes(routed)
             ident = Identity(self.model, "", self.mirror.version + base_skew, version + base_skew)
             sent_deltas, parts = self._encode(owned, ident)
-        with clock(Phase.SEND):
-            sent, failed = self._send(MessageKind.DELTA, version, parts, tamper)
+        sent, replies = self._exchange(MessageKind.DELTA, version, parts, tamper, clock)
         with clock(Phase.AWAIT):
-            replies = failed or self._await(version, (MessageKind.ACK, MessageKind.NACK))
             ok, lost = self._agree(replies)
         changed = sum(d.nnz for d in owned)
         with clock(Phase.TELEMETRY):
@@ -385,7 +464,7 @@ class RefitSender:
         engine's full checksums decide which tensors (if any) need a resync.  Each rank sends the
         owners its view of their tensors (refit/route_views.py).
         """
-        self._detected, self._relayed = [], 0
+        self._start()
         self.uncertain = False
         clock = PhaseClock()
         with clock(Phase.ROUTE):
@@ -403,8 +482,8 @@ class RefitSender:
     def _whole(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int],
                only_differing: bool) -> RefitReport:
         self.refits += 1
+        self._start()
         self._detected = ["recovering after a lost exchange with the engines"] if only_differing else []
-        self._relayed = 0
         clock = PhaseClock()
         with clock(Phase.ROUTE):
             owned = self.mirror.changes(self._route(pieces))
@@ -420,13 +499,25 @@ class RefitSender:
         target = max([r.version for r in state] + [self.mirror.version, self.sent_version]) + 1
         return self._resync(self.owned, target, trainer_checksums, changed, 0, clock, mode="resync", before=None)
 
+    def reattach(self, ranks: Sequence[int], trainer_checksums: Mapping[str, int]) -> RefitReport:
+        """Address the detached ``ranks`` again (restarted processes whose connections the
+        transport replaced; refit/replicas.py) and bring them to the others' version through the
+        recovery: their full checksums decide what they get, resynced to them alone when every
+        other rank holds the trainer's state (``trainer_checksums``: the committed weights').
+        Collective."""
+        self._start()
+        self.replicas.reattach(ranks)
+        self.relay = self.replicas.plan()
+        self._detected.append(f"engine ranks {sorted(ranks)} reattached (restarted)")
+        return self._ended(self._recover(trainer_checksums, 0, 0, PhaseClock(), mode="resync"))
+
     # -- recovery -----------------------------------------------------------------------------
 
     def _resync_parts(self, names: Sequence[str], target: int) -> dict[tuple[int, int], list[bytes]]:
         if self._fanout is not None:
             return self._fanout.resync_payloads(names, target, self.key, self.model)
         payload = resync_payload(self.mirror.current(names), target, self.key, model=self.model)
-        return {(e, 0): [payload] for e in self.engine_ranks}
+        return {(e, 0): [payload] for e in self.live}
 
     def _recover(self, trainer_checksums, changed: int, sent: int, clock: PhaseClock,
                  mode: str = "delta") -> RefitReport:
@@ -457,11 +548,11 @@ class RefitSender:
         checksums differ, when every other rank holds the trainer's state at one version above
         theirs (a replica that failed a version the others committed); None: resync every rank."""
         failing = {m.engine_rank for m in before.mismatches if m.engine_rank is not None}
-        version = {e: r.version for e, r in zip(self.engine_ranks, state)}
-        good = {version[e] for e in self.engine_ranks if e not in failing}
+        version = {e: r.version for e, r in zip(self.live, state)}
+        good = {version[e] for e in self.live if e not in failing}
         if not failing or len(good) != 1 or any(version[e] >= min(good) for e in failing):
             return None
-        return good.pop(), [e for e in self.engine_ranks if e in failing]
+        return good.pop(), [e for e in self.live if e in failing]
 
     def _resync(self, names: Sequence[str], target: int, trainer_checksums, changed: int, sent: int,
                 clock: PhaseClock, mode: str, before: VerifyReport | None,
@@ -470,11 +561,10 @@ class RefitSender:
         others hold ``target`` already and go on)."""
         with clock(Phase.ENCODE):
             parts = self._resync_parts(names, target)
-        with clock(Phase.SEND):
-            more, failed = self._send(MessageKind.RESYNC, target, parts, None, ranks)
-            sent += more
+        self._changed_ranks[1].extend(self.live if ranks is None else ranks)
+        more, replies = self._exchange(MessageKind.RESYNC, target, parts, None, clock, ranks)
+        sent += more
         with clock(Phase.AWAIT):
-            replies = failed or self._await(target, (MessageKind.ACK, MessageKind.NACK), ranks=ranks)
             ok, _ = self._agree(replies)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]

@@ -58,6 +58,8 @@ OPTIONAL = {
     "session": "NeMo-RL plugin: the session the sync belongs to (a restarted worker starts a new one)",
     "sync_s": "NeMo-RL plugin: wall seconds of the whole sync on policy rank 0 (export, refit, END)",
     "time": "NeMo-RL plugin: Unix time the row was written",
+    "detached": "engine ranks found lost in the refit and detached (their process died; refit/replicas.py)",
+    "resynced_ranks": "engine ranks a resync was sent to in the refit (as sent)",
     "recovered": "NeMo-RL plugin: failures of the sync's first attempt that its resync recovered from",
 }
 """Keys a producer may add (name -> meaning); :func:`step_record` refuses any other."""
@@ -91,6 +93,9 @@ def step_record(step: int, report, **extra) -> dict:
         "resynced": report.resynced, "detected": list(report.detected),
         "engine_format": dict(report.engine_format), "fp8_density": report.fp8_density, **extra,
     }
+    for key in ("detached", "resynced_ranks"):  # written where the refit had any
+        if getattr(report, key):
+            row[key] = list(getattr(report, key))
     check_row(row)
     return row
 

@@ -13,9 +13,12 @@ envelope's length, one of its bytes (docs/wire_format.md section 7.1), in the ro
 * on the other replicas, envelopes arrive from both the relay and the base transport (queries,
   a resync addressed to this replica alone, ``STOP``), merged in one mailbox.
 
-A relay that fails on the root (a replica's process died) stops relaying and is counted in
-:attr:`RelayStats.failed`; the replicas it no longer reaches miss versions and are resynced one by
-one over the base transport by the trainers' recovery.
+A relay that fails anywhere (a replica's process died, the root's included) is counted in
+:attr:`RelayStats.failed` and ends there: the member that saw the failure destroys its handle of
+the group, which closes its connections, so the failure reaches every other member at once (gloo's
+"Connection closed by peer") instead of leaving a replica waiting on a root that stopped relaying.
+The group is then over for good; the trainers send its surviving replicas their parts directly
+(:mod:`nemo_dcr.refit.replicas`), and a restarted replica is served over the base transport alone.
 """
 
 from __future__ import annotations
@@ -101,14 +104,24 @@ class RelayEndpoint:
             return
         try:
             self._broadcast(env.to_bytes())
-        except Exception as exc:  # a replica is gone: stop relaying, the trainers resync who missed out
-            self._ended, self.stats.failed = True, f"{type(exc).__name__}: {str(exc)[:300]}"
+        except Exception as exc:  # a replica is gone: the group is over (the trainers go direct)
+            self._ended = True
+            self._fail(exc)
             return
         self.stats.envelopes += 1
         self.stats.body_bytes += len(env.body)
         moved = len(env.body) * (self.size - 1)
         self.stats.link_bytes += moved
         self.stats.by_version[env.version] = self.stats.by_version.get(env.version, 0) + moved
+
+    def _fail(self, exc: Exception) -> None:
+        """Record why the relay failed and close this member's connections of the group, so every
+        other member's pending broadcast fails too (see the module docstring)."""
+        self.stats.failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+        try:
+            dist.destroy_process_group(self.group)
+        except Exception as gone:  # already torn down (the default group went first): nothing left open
+            self.stats.failed += f"; destroying the group: {type(gone).__name__}: {str(gone)[:200]}"
 
     def _end_relay(self) -> None:
         if self.is_root and not self._ended:
@@ -137,8 +150,8 @@ class RelayEndpoint:
                 self.stats.envelopes += 1
                 self.stats.body_bytes += len(env.body)
                 self._file(env)
-        except Exception as exc:  # the root is gone: what it would have relayed never comes
-            self.stats.failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+        except Exception as exc:  # the root or a replica is gone: what it would have relayed never comes
+            self._fail(exc)
         finally:
             self._ended = True
 

@@ -16,7 +16,7 @@ within ``steps`` refits.  Trainer ranks and engine ranks select the same element
 canonical index alone, so no rank needs another's layout.
 
 :func:`runs_checksum` is the one compiled loop both sides use: ``Σ h(canonical index, bits)`` over
-runs ``bits[local + k]`` at canonical ``canon + k`` (``0 <= k < length``), restricted to a
+runs ``bits[local + k * step]`` at canonical ``canon + k`` (``0 <= k < length``), restricted to a
 sample's slice when given (without one: every element, a full scan over runs).
 """
 
@@ -105,10 +105,10 @@ def _rotation_np(salt: np.uint64, group: np.ndarray, steps: int) -> np.ndarray:
 
 
 @njit
-def _runs_sum(bits, local, canon, length, block, steps, phase, salt):
+def _runs_sum(bits, local, canon, length, step, block, steps, phase, salt):
     total = np.uint64(0)
     for r in range(local.size):
-        c0, n, l0 = canon[r], length[r], local[r]
+        c0, n, l0, k = canon[r], length[r], local[r], step[r]
         end = c0 + n
         g = (c0 // block) // steps
         while g * steps * block < end:
@@ -116,15 +116,17 @@ def _runs_sum(bits, local, canon, length, block, steps, phase, salt):
             b = g * steps + (phase - rot + steps) % steps  # the block of group g in slice ``phase``
             lo, hi = max(b * block, c0), min(b * block + block, end)
             for i in range(lo, hi):
-                total += _mix(np.uint64(i) * _K_IDX ^ (np.uint64(bits[l0 + i - c0]) + np.uint64(1)) * _K_BITS)
+                total += _mix(np.uint64(i) * _K_IDX ^ (np.uint64(bits[l0 + (i - c0) * k]) + np.uint64(1)) * _K_BITS)
             g += 1
     return total
 
 
 def runs_checksum(bits: np.ndarray, local: np.ndarray, canon: np.ndarray, length: np.ndarray,
-                  sample: Sample | None = None, name: str = "") -> int:
-    """``Σ h(canon[r] + k, bits[local[r] + k])`` over every run ``r`` and ``0 <= k < length[r]``,
-    only over the elements in ``sample``'s slice of tensor ``name`` when given (mod 2**64).
+                  sample: Sample | None = None, name: str = "", step: np.ndarray | None = None) -> int:
+    """``Σ h(canon[r] + k, bits[local[r] + k * step[r]])`` over every run ``r`` and
+    ``0 <= k < length[r]`` (``step``: 1 for every run when not given; a transposed param's runs
+    step by its row length), only over the elements in ``sample``'s slice of tensor ``name`` when
+    given (mod 2**64).
 
     Cost: the selected elements plus one step per group of blocks a run spans (a sampled check
     reads about ``1/steps`` of the elements, a full one all of them).
@@ -135,14 +137,18 @@ def runs_checksum(bits: np.ndarray, local: np.ndarray, canon: np.ndarray, length
     """
     bits = np.ascontiguousarray(unsigned_bits(bits))
     local, canon, length = (np.ascontiguousarray(a, np.int64).reshape(-1) for a in (local, canon, length))
-    if not local.size == canon.size == length.size:
-        raise ValueError(f"runs: {local.size} local starts, {canon.size} canonical starts, {length.size} lengths")
-    if local.size and (int(length.min()) < 0 or int(local.min()) < 0 or int(canon.min()) < 0
-                       or int((local + length).max()) > bits.size):
+    step = np.ones(local.size, np.int64) if step is None else np.ascontiguousarray(step, np.int64).reshape(-1)
+    if not local.size == canon.size == length.size == step.size:
+        raise ValueError(f"runs: {local.size} local starts, {canon.size} canonical starts, {length.size} lengths, "
+                         f"{step.size} steps")
+    last = local + np.maximum(length - 1, 0) * step  # each run's last local element
+    if local.size and (int(length.min()) < 0 or int(local.min()) < 0 or int(canon.min()) < 0 or int(step.min()) < 1
+                       or int(last[length > 0].max(initial=-1)) >= bits.size):
         raise ValueError(f"runs reach outside the {bits.size} elements given (or are negative)")
     if sample is None:
-        return int(_runs_sum(bits, local, canon, length, np.int64(1 << 40), np.int64(1), np.int64(0), np.uint64(0)))
-    return int(_runs_sum(bits, local, canon, length, np.int64(sample.block), np.int64(sample.steps),
+        return int(_runs_sum(bits, local, canon, length, step, np.int64(1 << 40), np.int64(1), np.int64(0),
+                             np.uint64(0)))
+    return int(_runs_sum(bits, local, canon, length, step, np.int64(sample.block), np.int64(sample.steps),
                          np.int64(sample.slice), np.uint64(sample.salt(name))))
 
 

@@ -99,3 +99,67 @@ def test_the_planner_fan_out_model_matches_the_measured_bytes(runs):
         relayed = plans["relay"].engine_fanout_bytes / plans["relay"].cross_link_bytes
         assert relay["engine_fanout_bytes_per_version"] / relay["cross_link_bytes_per_version"] == \
             pytest.approx(relayed, rel=0.02) == r - 1
+
+
+# -- a replica killed mid-relay ----------------------------------------------------------------------
+# Four replicas in two relay groups (one root per node: [1, 2] and [3, 4]); replica 1 (engine rank
+# 2, a non-root) is SIGKILLed at refit 2 once the first part reached it through the relay, replica
+# 2 (engine rank 3, the other group's root) at refit 4 once it had relayed the first part.  The
+# supervisor restarts each as a fresh, empty process.
+KILLS = {"relay:2": 1, "relay:4": 2}
+
+
+@pytest.fixture(scope="module")
+def killed() -> dict:
+    job = FanoutJob(4, steps=5, modes=("relay",), faults={}, kills=KILLS, relay_nodes=(0, 0, 1, 1))
+    return run_fanout(job, timeout=300)
+
+
+def _commits(run: dict, replica: int) -> list[tuple[int, str]]:
+    return [(v, detail) for v, what, detail in run["engines"][replica]["relay"]["events"] if what == "committed"]
+
+
+def test_a_replica_killed_mid_relay_is_resynced_alone(killed):
+    rows = killed["rows"]
+    for row in rows:  # every replica bit-exact after every refit (the restarted ones after their resync)
+        assert row["committed"] and all(row["bit_exact"]) and row["versions"] == [row["version"]] * 4, row
+    for row in rows[1:]:  # no resync in any refit itself: only the reattach resyncs, and only the restarted one
+        assert row["resynced_ranks"] == [] and row["kind"] == "delta", row
+    kills = [(r["step"], r["killed"], r["detached"], r["reattach"]["resynced_ranks"]) for r in rows if r["killed"] is not None]
+    assert kills == [(2, 1, [2], [2]), (4, 2, [3], [3])]
+    for row in rows:
+        assert (row["reattach"] is not None) == (row["killed"] is not None)
+    # the restarted processes: a resync to the version the others committed, then deltas
+    for replica, step in ((1, 2), (2, 4)):
+        version = rows[step]["version"]
+        assert killed["engines"][replica]["relay"]["generation"] == 1
+        assert _commits(killed, replica) == [(version, "resync")] + [(v, "delta") for v in range(version + 1, 7)]
+    # the survivors: the attach's resync, then a delta for every version, the killed ones included
+    for replica in (0, 3):
+        assert killed["engines"][replica]["relay"]["generation"] == 0
+        assert _commits(killed, replica) == [(1, "resync")] + [(v, "delta") for v in range(2, 7)]
+        assert killed["engines"][replica]["relay"]["relay"]["failed"]  # their group's relay broke with the kill
+
+
+def test_survivors_of_a_killed_replica_get_deltas_directly(killed):
+    """Bytes as sent: while both groups relay, each version crosses once per group; the group
+    that lost a member gets it directly (one send per attached member); the survivor whose root
+    died mid-version got that version once more, directly."""
+    rows = killed["rows"]
+    per = [r["links"] for r in rows]
+    # refit 1: two roots sent the version, each relayed it to its other replica
+    assert per[1]["engine_fanout"] == per[1]["trainer_to_engine"]
+    # refit 2 (a non-root dies): the roots were sent the version once each; only group [3, 4] relayed it
+    assert per[2]["trainer_to_engine"] == 2 * per[2]["engine_fanout"]
+    # refit 3: group [1, 2] direct (two sends), group [3, 4] relays (one send, one relayed)
+    assert per[3]["trainer_to_engine"] == 3 * per[3]["engine_fanout"]
+    # refit 4 (root 3 dies after relaying part 0): 1, 2 and 3 sent, 4 once more directly, nothing relayed
+    # refit 5: every replica direct
+    for step in (4, 5):
+        assert per[step]["engine_fanout"] == 0 and per[step]["trainer_to_engine"] % 4 == 0
+    dup = [e for e in killed["engines"][3]["relay"]["events"] if e[0] == rows[4]["version"] and e[1] == "duplicate"]
+    assert dup  # what the relay brought before the root died, the direct send brought again (dropped)
+    # the reattach sent whole tensors to the restarted replica alone
+    for step in (2, 4):
+        assert rows[step]["reattach"]["links"]["trainer_to_engine"] > 10 * rows[step]["links"]["trainer_to_engine"]
+        assert rows[step]["reattach"]["links"]["engine_fanout"] == 0

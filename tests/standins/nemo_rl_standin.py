@@ -13,6 +13,8 @@ with threads where NeMo-RL has Ray actors (see docs/nemo_rl.md for the file:line
   (:mod:`tests.standins.vllm_standin`) with dummy weights, ``checkpoint_engine`` as an attribute,
   ``state_dict_info`` from ``prepare_refit_info``; ``update_weights_from_checkpoint_engine`` runs a
   fresh ``asyncio.run`` per refit and feeds every yielded batch to ``model.load_weights``.
+* Megatron policy workers over real megatron-core shards, one process each (Ray actors):
+  :mod:`tests.standins.megatron_policy_standin`.
 * :class:`Synchronizer`: ``CheckpointEngineWeightSynchronizer``: ``init_communicator`` (refit info,
   engines on every worker, ``prepare`` on all, both ``init_*_process_group`` at the same time) and
   ``sync_weights`` (every policy ``send_weights`` and every vLLM worker's receive **started at the
@@ -79,6 +81,10 @@ class _CheckpointEngineHost:
     def prepare_checkpoint_engine(self):
         md = self.checkpoint_engine.prepare()
         return {**md, "rank": self.rank} if isinstance(md, dict) else md
+
+    def finalize_checkpoint_engine(self) -> None:
+        if self.checkpoint_engine is not None:
+            self.checkpoint_engine.finalize()
 
 
 class PolicyWorker(_CheckpointEngineHost):
@@ -213,7 +219,7 @@ class Synchronizer:
 
     def shutdown(self) -> None:
         for w in self.policy + self.rollout:
-            w.checkpoint_engine.finalize()
+            w.finalize_checkpoint_engine()
         self._ready = False
 
 

@@ -28,7 +28,12 @@ from torch import nn
 
 @dataclass(frozen=True)
 class StandinDims:
-    """Sizes of the stand-in model (one dense layer, one MoE layer)."""
+    """Sizes of the stand-in model (by default one dense layer, then one MoE layer).
+
+    ``layers`` layers; with ``experts`` every odd layer is MoE.  ``post_norm`` adds each layer's
+    ``post_attention_layernorm`` and ``lm_head`` an untied vocab-parallel output layer (both as
+    in vLLM's Llama), so :meth:`of` can describe a dense megatron-core model.
+    """
 
     hidden: int = 8
     heads: int = 4
@@ -39,6 +44,28 @@ class StandinDims:
     pad_to: int = 8
     experts: int = 4
     moe_ffn: int = 8
+    layers: int = 2
+    post_norm: bool = False
+    lm_head: bool = False
+
+    @classmethod
+    def of(cls, dims, pad_to: int = 64) -> "StandinDims":
+        """The stand-in of a dense Llama-family :class:`~nemo_dcr.layout.ModelDims` (the
+        description megatron-core builds the policy model from), loading its HF tensors.
+
+        Raises:
+            ValueError: a model the stand-in does not describe (MoE, MLA, q/k norms, qkv bias).
+        """
+        if dims.num_experts or dims.multi_latent_attention or dims.qk_layernorm or dims.add_qkv_bias:
+            raise ValueError("StandinDims.of describes dense Llama-family models only")
+        return cls(hidden=dims.hidden_size, heads=dims.num_attention_heads, kv_heads=dims.kv_heads,
+                   head_dim=dims.kv_channels, ffn=dims.ffn_hidden_size, vocab=dims.vocab_size, pad_to=pad_to,
+                   experts=0, moe_ffn=0, layers=dims.num_layers, post_norm=True,
+                   lm_head=not dims.tie_word_embeddings)
+
+    def moe(self, layer: int) -> bool:
+        """Layer ``layer`` has routed experts."""
+        return bool(self.experts) and layer % 2 == 1
 
 
 def _param(shape, loader) -> nn.Parameter:
@@ -139,22 +166,30 @@ def canonical_shapes(d: StandinDims) -> dict[str, tuple[int, ...]]:
     """HF names and shapes the stand-in model loads."""
     h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
     out = {"model.embed_tokens.weight": (d.vocab, h), "model.norm.weight": (h,)}
-    for i in range(2):
+    if d.lm_head:
+        out["lm_head.weight"] = (d.vocab, h)
+    for i in range(d.layers):
         p = f"model.layers.{i}."
         out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                     p + "input_layernorm.weight": (h,)})
-    out.update({"model.layers.0.mlp.gate_proj.weight": (d.ffn, h), "model.layers.0.mlp.up_proj.weight": (d.ffn, h),
-                "model.layers.0.mlp.down_proj.weight": (h, d.ffn)})
-    for e in range(d.experts):
-        p = f"model.layers.1.mlp.experts.{e}."
-        out.update({p + "gate_proj.weight": (d.moe_ffn, h), p + "up_proj.weight": (d.moe_ffn, h),
-                    p + "down_proj.weight": (h, d.moe_ffn)})
+        if d.post_norm:
+            out[p + "post_attention_layernorm.weight"] = (h,)
+        if not d.moe(i):
+            out.update({p + "mlp.gate_proj.weight": (d.ffn, h), p + "mlp.up_proj.weight": (d.ffn, h),
+                        p + "mlp.down_proj.weight": (h, d.ffn)})
+            continue
+        for e in range(d.experts):
+            pe = f"{p}mlp.experts.{e}."
+            out.update({pe + "gate_proj.weight": (d.moe_ffn, h), pe + "up_proj.weight": (d.moe_ffn, h),
+                        pe + "down_proj.weight": (h, d.moe_ffn)})
     return out
 
 
 class StandinModel(nn.Module):
-    """Two layers (dense MLP, then MoE) with vLLM-style fused params and ``load_weights``."""
+    """``d.layers`` layers (dense MLP, then MoE, alternating; all dense without experts) with
+    vLLM-style fused params and ``load_weights``; ``lm_head`` (when ``d.lm_head``) is top-level,
+    as in vLLM's ``LlamaForCausalLM``."""
 
     stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
                               (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
@@ -165,16 +200,21 @@ class StandinModel(nn.Module):
         self.embed_tokens = StandinVocab(d, tp, rank)
         self.norm = nn.Module()
         self.norm.weight = _param((d.hidden,), default_weight_loader)
+        if d.lm_head:
+            self.lm_head = StandinVocab(d, tp, rank)
         self.layers = nn.ModuleList()
-        for i in range(2):
+        for i in range(d.layers):
             layer = nn.Module()
             layer.self_attn = nn.Module()
             layer.self_attn.qkv_proj = StandinQKV(d, tp, rank)
             layer.self_attn.o_proj = StandinRow(d.hidden, d.heads * d.head_dim, tp, rank)
             layer.input_layernorm = nn.Module()
             layer.input_layernorm.weight = _param((d.hidden,), default_weight_loader)
+            if d.post_norm:
+                layer.post_attention_layernorm = nn.Module()
+                layer.post_attention_layernorm.weight = _param((d.hidden,), default_weight_loader)
             layer.mlp = nn.Module()
-            if i == 0:
+            if not d.moe(i):
                 layer.mlp.gate_up_proj = StandinMergedColumn(d, tp, rank)
                 layer.mlp.down_proj = StandinRow(d.hidden, d.ffn, tp, rank)
             else:
@@ -186,7 +226,7 @@ class StandinModel(nn.Module):
 
     def load_weights(self, weights) -> set[str]:
         """vLLM-style routing of HF names to params and loaders; returns the names loaded."""
-        params = {"model." + n: p for n, p in self.named_parameters()}
+        params = {("" if n.startswith("lm_head.") else "model.") + n: p for n, p in self.named_parameters()}
         loaded = set()
         for name, w in weights:
             if "rotary_emb.inv_freq" in name:  # computed by the model, not loaded (vLLM skips it)

@@ -15,6 +15,8 @@ def test_schedule_every_kind_and_a_recovery_refit_after_each_failing_kind():
             assert i + 1 not in plan
     assert plan == schedule(40, FAULTS, seed=3, fault_rate=1.0)
     assert schedule(40, FAULTS, seed=3, fault_rate=0.0) == {}
+    for n in range(2, 30):  # a fault that fails by design always has its recovery refit
+        assert all(k not in FAILS_BY_DESIGN for i, k in schedule(n, FAULTS, seed=n, fault_rate=1.0).items() if i == n)
 
 
 def _rollout(version: int, before: str, after: str, gen: int = 0) -> dict:
@@ -39,3 +41,22 @@ def test_a_refusal_reported_by_an_engine_rank_names_the_rank_s_error():
     detail = "RankRefusedError: v7 refused; ranks that had written it rolled back []: rank 0: AuthenticationError: bad"
     assert _error_names(detail) == {"RankRefusedError", "AuthenticationError"}
     assert _error_names("InjectedFault: chaos: crash") == {"InjectedFault"}
+
+
+def test_a_soak_s_memory_trace_takes_one_sample_per_interval_across_restarts():
+    from nemo_dcr.tools.chaos.tally import _trace
+
+    samples = [dict(t=1000.0 + 10 * i, engine=dict(pid=1 if i < 70 else 2, mb=100.0 + i),
+                    trainers=dict(pid=9, mb=400.0)) for i in range(130)]
+    trace = _trace(samples, every_s=600.0)
+    assert [r["minute"] for r in trace] == [0.0, 10.0, 20.0]
+    assert [r["engine"] for r in trace] == [100.0, 160.0, 220.0] and all(r["trainers"] == 400.0 for r in trace)
+
+
+def test_chaos_refuses_a_duration_it_cannot_keep(capsys):
+    from nemo_dcr.tools.cli import main
+
+    for argv, what in ((["--duration", "-1"], "--duration >= 0"),
+                       (["--duration", "600", "--timeout", "300"], "must be longer than --duration")):
+        assert main(["chaos", *argv]) == 2
+        assert what in capsys.readouterr().err

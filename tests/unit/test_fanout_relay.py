@@ -18,7 +18,7 @@ from nemo_dcr.refit import DeltaRefit, EngineServer, engine_wiring
 from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import LocalGroup
 from nemo_dcr.refit.relay import RelayPlan, relay_groups, relay_plan
-from nemo_dcr.transport import Envelope, InProcHub, MessageKind
+from nemo_dcr.transport import Envelope, InProcHub, MessageKind, TransportTimeout
 from nemo_dcr.types import int_view
 from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 
@@ -131,3 +131,45 @@ def test_a_replica_that_failed_a_version_is_resynced_alone():
     assert [s.stats.resyncs for s in servers] == [1, 2, 1]  # the attach, and replica 1's alone
     assert [v for v, what, _ in servers[0].stats.events if what == "committed"] == [1, 2, 3]
     _stop(hub, threads)
+
+
+def test_a_lost_replica_is_detached_and_its_group_goes_direct():
+    from nemo_dcr.refit.messages import EngineReply
+    from nemo_dcr.refit.replicas import Replicas
+
+    reps = Replicas.of(RelayPlan(((1, 2, 3), (4, 5), (6,))))
+    assert reps.plan().groups == ((1, 2, 3), (4, 5), (6,))
+    assert reps.lose(6) is None and not reps.detached  # alone in its views: not detached
+    assert reps.lose(1) == [2, 3]  # the root: its replicas need the version directly
+    assert reps.plan().groups == ((2,), (3,), (4, 5), (6,)) and reps.live([1, 2, 3, 4, 5, 6]) == [2, 3, 4, 5, 6]
+    assert reps.lose(1) == [] and reps.lose(2) == [3] and reps.lose(3) is None  # the last replica stays
+    ok = EngineReply(True, 7)
+    # group (4, 5) whole: its relay carried the bytes to 5; the broken group counts who answered
+    via = [(2, 10, ()), (3, 10, ()), (4, 10, (5,))]
+    assert reps.relayed(via, {(4, 5)}, {5: ok}, set()) == 10
+    assert reps.relayed([(1, 10, (2, 3))], {(1, 2, 3)}, {3: ok}, {2}) == 10
+    reps.reattach([1, 2])
+    assert reps.plan().groups == ((1,), (2,), (3,), (4, 5), (6,))  # back, its group stays direct
+    with pytest.raises(ValueError, match=r"engine ranks \[4\] are not detached"):
+        reps.reattach([4])
+
+
+def test_peers_number_envelopes_by_refit_rank_and_replace_a_connection():
+    from nemo_dcr.transport.peers import Peers
+
+    hubs = [InProcHub(2), InProcHub(2)]
+    trainer = Peers(0, {5: (hubs[0].transport(0), 1), 6: (hubs[1].transport(0), 1)})
+    engines = [Peers(5, {0: (hubs[0].transport(1), 0)}), Peers(6, {0: (hubs[1].transport(1), 0)})]
+    trainer.send(6, Envelope(MessageKind.DELTA, 3, 0, body=b"x"))
+    got = engines[1].recv(timeout=1)
+    assert (got.sender, got.receiver, got.body) == (0, 6, b"x")
+    engines[0].send(0, Envelope(MessageKind.ACK, 3, 5))
+    assert trainer.recv(src=5, timeout=1).sender == 5
+    with pytest.raises(TransportTimeout):
+        trainer.recv(timeout=0.05)
+    fresh = InProcHub(2)  # replica 5 restarted: a new connection, the other untouched
+    trainer.replace(5, fresh.transport(0), 1)
+    Peers(5, {0: (fresh.transport(1), 0)}).send(0, Envelope(MessageKind.ACK, 4, 5))
+    assert trainer.recv(timeout=1).version == 4
+    with pytest.raises(KeyError, match="7 is not a peer"):
+        trainer.replace(7, fresh.transport(0), 1)

@@ -6,6 +6,10 @@ loader-contract model stand-in, starting from dummy weights.  After every sync e
 parameters are compared, as integer views, with an independent reference: a fresh stand-in model
 that loaded the policy's tensors through its own ``load_weights`` (what NeMo-RL's dense refit
 would have produced), never with the refit's own mirror or checksums.
+
+The Megatron cases run two policy worker processes over real megatron-core shards (TP=2 on gloo,
+tests/standins/megatron_policy_standin.py): capture from the shards with NeMo-RL's export left
+unstarted, and the export path where the plugin cannot read the model.
 """
 
 from __future__ import annotations
@@ -393,3 +397,95 @@ def test_key_file_is_read_by_the_one_rule(refit_cfg, tmp_path):
     path = tmp_path / "ws.key"
     path.write_bytes(raw)
     assert DcrCheckpointEngine(1 << 20, **{**kw, "key_file": str(path)}).key == raw
+
+
+# -- capture from the policy's own Megatron shards -------------------------------------------------
+
+MEGATRON = "dense-tiny"
+"""The megatron-core preset the Megatron policy workers are built from (TP=2 on gloo)."""
+
+
+@pytest.fixture(scope="module")
+def megatron_policy(tmp_path_factory):
+    """Two Megatron policy workers (one process each, a gloo job: TP=2), the model's shapes and
+    the workers' log files."""
+    from nemo_dcr.layout import model_dims
+    from tests.standins.megatron_policy_standin import policy_actors
+
+    logs = tmp_path_factory.mktemp("policy-logs")
+    actors = policy_actors(POLICY, log_dir=str(logs), model=MEGATRON, tp=2)
+    try:
+        yield actors, StandinDims.of(model_dims(MEGATRON)), logs
+    finally:
+        for a in actors:
+            a.close()
+
+
+def test_megatron_policy_captures_from_its_shards_without_the_export(refit_cfg, megatron_policy):
+    """Real megatron-core shards (TP=2, DDP with the distributed optimizer): every sync is bit-exact
+    against vLLM's own full load, NeMo-RL's export iterator is never started (no tensor yielded)
+    and no owned copy is kept; a failure inside a sync resyncs from the shards in the same sync;
+    a worker whose model the plugin cannot see takes the export path, said once, and stays
+    bit-exact."""
+    from tests.standins.megatron_policy_standin import reference_mismatches
+
+    policy, dims, logs = megatron_policy
+    engines = vllm_engines(dims, 1, TP)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    modes = []
+    for step in range(3):
+        if step:
+            Synchronizer._all([lambda p=p: p.train(step) for p in policy])
+        if step == 2:
+            policy[1].fail_next_refit()
+        sync.sync_weights()
+        reports = [p.report() for p in policy]
+        r = reports[0]["last"]
+        assert r.committed and r.verified and reference_mismatches(policy, engines, dims, TP) == [], step
+        assert all(x["capture"] == "shards" and x["exported"] == 0 and x["held_bytes"] == 0 for x in reports)
+        modes.append((r.mode, r.changed < r.numel, bool(reports[0]["recovered"])))
+    assert modes == [("attach", False, False), ("delta", True, False), ("attach", False, True)]
+    assert reports[0]["recovered"][0].startswith("policy rank 1: OSError: injected failure inside the sync")
+    assert "optimizer MasterAdamW, capture ranges from the distributed optimizer" in reports[0]["detail"]
+
+    for p in policy:  # restarted policy workers whose model the plugin cannot read
+        p.restart_engine(shards_visible=False)
+    sync = Synchronizer(policy, engines, SELECTOR, refit_cfg)
+    for step in (3, 4):
+        Synchronizer._all([lambda p=p: p.train(step) for p in policy])
+        sync.sync_weights()
+        reports = [p.report() for p in policy]
+        assert all(x["capture"] == "export" and x["held_bytes"] > 0 for x in reports)
+        assert reference_mismatches(policy, engines, dims, TP) == []
+    assert reports[0]["last"].mode == "delta" and reports[0]["detail"] == "MegatronPolicyWorker has no .model"
+    out = "".join((logs / f"policy-{r}.log").read_text() for r in range(POLICY))
+    assert out.count("capture from the policy's own Megatron shards, NeMo-RL's export is not run") == 1
+    assert out.count("capture from NeMo-RL's export, copying owned tensors (MegatronPolicyWorker has no .model)") == 2
+    for p in policy:
+        p.restart_engine()
+
+
+def test_a_policy_without_megatron_shards_is_told_why_it_takes_the_export():
+    """No worker, no ``.model``, a model no registered framework understands (a DTensor policy's HF
+    module): the export path, with the reason; never an exception."""
+    from types import SimpleNamespace
+
+    from nemo_dcr.integrations.nemo_rl.shards import policy_shards, table_differences
+
+    table = {"model.embed_tokens.weight": ("bf16", (10, 4))}
+
+    class DTensorPolicyWorkerV2:
+        def __init__(self, model=None):
+            if model is not None:
+                self.model = model
+
+    assert policy_shards(None, table).detail == "no policy worker holds this checkpoint engine as .checkpoint_engine"
+    assert policy_shards(DTensorPolicyWorkerV2(), table).detail == "DTensorPolicyWorkerV2 has no .model"
+    found = policy_shards(DTensorPolicyWorkerV2(torch.nn.Linear(4, 4)), table)
+    assert found.source is None and found.detail.startswith(
+        "DTensorPolicyWorkerV2.model is a Linear, no megatron-core model (no trainer source for a Linear")
+    cp = SimpleNamespace(config=SimpleNamespace(context_parallel_size=2))
+    assert "context parallelism" in policy_shards(DTensorPolicyWorkerV2(cp), table).detail
+    assert table_differences({**table, "lm_head.weight": ("bf16", (10, 4))}, {"model.embed_tokens.weight": (
+        "fp32", (10, 4))}) == ("1 in the shards but not loaded by vLLM ['lm_head.weight']; 1 of another dtype or "
+                               "shape [('model.embed_tokens.weight', ('bf16', (10, 4)), ('fp32', (10, 4)))]")

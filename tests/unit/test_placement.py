@@ -107,25 +107,46 @@ def test_stepped_runs_map_a_transpose_one_run_per_row():
     assert held.all() and loc.tolist() == local[[5, 23]].tolist()
 
 
-def test_restrict_and_pieces_follow_the_expanded_runs():
+def test_pieces_follow_the_expanded_runs():
     e, a, b = 2, 3, 4
     canon = np.concatenate([np.arange(e * a * b), np.arange(100, 110)])
     local = np.concatenate([canon[:24] // (a * b) * (a * b) + canon[:24] % b * a + canon[:24] // b % a,
                             np.arange(40, 50)])  # a transpose (step a), then one plain run
     runs = Runs.from_pairs(canon, local)
     c, l = runs.expand()
-    for intervals in [((0, 34),), ((0, 5), (7, 1), (20, 10)), ((33, 1),), ()]:
-        mask = np.zeros(c.size, bool)
-        for s, n in intervals:
-            mask[s:s + n] = True
-        got_c, got_l = runs.restrict(intervals).expand()
-        assert got_c.tolist() == c[mask].tolist() and got_l.tolist() == l[mask].tolist()
-        vc, vl = runs.restrict(intervals, view=True).expand()
-        assert vc.tolist() == c[mask].tolist() and vl.tolist() == np.flatnonzero(mask).tolist()
     parts = list(runs.pieces(5))
     assert all(p[0].size <= 5 for p in parts)
     assert np.concatenate([p[0] for p in parts]).tolist() == c.tolist()
     assert np.concatenate([p[1] for p in parts]).tolist() == l.tolist()
+
+
+def _pairs_of_view(runs, intervals):
+    """The old way: every element of the intervals expanded, then compressed again."""
+    view = np.concatenate([np.arange(s, s + n) for s, n in intervals] or [np.zeros(0, np.int64)])
+    return Runs.from_pairs(runs.view_to_canon(view), runs.view_to_local(view)).expand()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_runs_of_view_intervals_equal_the_expanded_pairs(seed):
+    rng = np.random.default_rng(seed)
+    e, a, b = 3, 5, 7  # stepped runs (a transpose) after plain ones
+    t = np.arange(e * a * b)
+    canon = np.concatenate([np.arange(40), 100 + rng.permutation(60)[:30], 200 + t])
+    transposed = t // (a * b) * (a * b) + t % b * a + t // b % a
+    local = np.concatenate([np.arange(40) + 7, 60 + np.arange(30), 500 + transposed])
+    runs = Runs.from_pairs(canon, local)
+    edges = np.sort(rng.choice(np.arange(1, runs.numel), size=10, replace=False))
+    bounds = np.concatenate([[0], edges, [runs.numel]])
+    intervals = [(int(s), int(t - s)) for s, t in zip(bounds[:-1], bounds[1:])][seed % 2::2]
+    got = runs.of_view(intervals)
+    want_c, want_l = _pairs_of_view(runs, intervals)
+    c, l = got.expand()
+    assert c.tolist() == want_c.tolist() and l.tolist() == want_l.tolist()
+    assert np.all(np.diff(got.canon) > 0) and got.length.sum() == sum(n for _, n in intervals)
+    assert runs.of_view([(0, runs.numel)]).expand()[1].tolist() == runs.expand()[1].tolist()
+    assert runs.of_view([]).numel == 0
+    with pytest.raises(PlacementError, match="outside"):
+        runs.of_view([(0, runs.numel + 1)])
 
 
 class _Twice(torch.nn.Module):

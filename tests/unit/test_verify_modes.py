@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from nemo_dcr.apply import TensorEngine
-from nemo_dcr.apply.placement import assign_primary
+from nemo_dcr.apply.placement import Runs, assign_primary
 from nemo_dcr.apply.probe import probe_engine
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.integrations.vllm.worker import get_loader, set_loader
@@ -32,7 +32,8 @@ from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import LocalGroup
 from nemo_dcr.transport import Envelope, InProcHub, MessageKind
 from nemo_dcr.types import int_view
-from nemo_dcr.verify.sample import Sample
+from nemo_dcr.verify.checksum import MASK64, element_hash
+from nemo_dcr.verify.sample import Sample, runs_checksum
 from tests.standins.shard_trainer import ShardTrainer
 from tests.standins.vllm_standin import StandinDims, StandinModel, canonical_shapes
 
@@ -147,3 +148,21 @@ def test_slices_cover_every_element_once_per_cycle_and_are_pseudo_random():
     assert len({tuple(blocks[i:i + K]) for i in range(0, 400, K)}) == K
     assert not np.array_equal(slices, Sample(0, K, BLOCK, seed=8).slice_of("w", index))
     assert not np.array_equal(slices, Sample(0, K, BLOCK, seed=7).slice_of("v", index))
+
+
+@pytest.mark.parametrize("sample", [None, Sample(1, K, BLOCK, seed=3), Sample(2, K, BLOCK, seed=3)])
+def test_sums_over_stepped_runs_read_the_elements_the_runs_map(sample):
+    """A transposed param ([E, A, B] stored as [E, B, A]) is one run per row stepping by A: the
+    checksum reads each canonical element where the runs put it (numpy reference of the pairs)."""
+    e, a, b = 2, 24, 40
+    canon = np.arange(e * a * b)
+    local = canon // (a * b) * (a * b) + canon % b * a + canon // b % a
+    runs = Runs.from_pairs(canon, local)
+    assert set(runs.step.tolist()) > {1}
+    bits = np.random.default_rng(0).integers(0, 1 << 16, canon.size).astype(np.uint16)
+    c, l = runs.expand()
+    keep = np.ones(c.size, bool) if sample is None else sample.slice_of("w", c) == sample.slice
+    want = int(element_hash(c[keep], bits[l[keep]]).sum(dtype=np.uint64)) & MASK64
+    assert runs_checksum(bits, runs.local, runs.canon, runs.length, sample, "w", runs.step) == want
+    with pytest.raises(ValueError, match="outside"):
+        runs_checksum(bits[:-1], runs.local, runs.canon, runs.length, sample, "w", runs.step)

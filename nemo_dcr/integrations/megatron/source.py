@@ -22,7 +22,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
@@ -234,4 +234,7 @@ def source_from_model(model, *, vocab_size: int | None = None, num_layers_in_fir
 
     dims = dims_from_model(list(chunks), vocab_size)
     layout = parallel_layout_from_state(num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage)
+    if not dims.num_experts and layout.ep == 1 and layout.etp > 1:
+        # megatron defaults expert_tensor_parallel_size to tp; a dense model has no expert params
+        layout = replace(layout, etp=1, etp_rank=0)
     return MegatronSource(list(chunks), dims, layout, layer_spec(list(chunks)))

@@ -12,9 +12,12 @@ vLLM worker **at the same time** (one ``ray.get``).  NeMo-RL is never imported: 
   ``T + j``; messages over the HMAC-keyed store transport in a shared folder
   (:mod:`.session`); the trainer group's collectives over the same transport
   (:class:`~nemo_dcr.refit.group.TransportGroup`).
-* Policy (:class:`~.policy.PolicySide`): drain the export keeping only owned tensors, one
-  :class:`~nemo_dcr.refit.DeltaRefit` ``attach()`` / ``step()`` per sync, then END to every engine
-  rank.  The sender commits only after every engine rank acknowledged (the refit protocol).
+* Policy (:class:`~.policy.PolicySide`): in a Megatron policy worker (found, as on the rollout
+  side, as the object holding this engine; :mod:`.shards`) capture from its own megatron-core
+  shards and leave NeMo-RL's export iterator unstarted; elsewhere drain the export keeping only
+  owned tensors (said once in the log); one :class:`~nemo_dcr.refit.DeltaRefit` ``attach()`` /
+  ``step()`` per sync, then END to every engine rank.  The sender commits only after every engine
+  rank acknowledged (the refit protocol).
   A failure anywhere inside a sync is resynced within the same ``send_weights`` (NeMo-RL does
   not catch ``sync_weights`` errors); only a failed resync raises, naming the rank and cause.
 * Startup refusals (``prepare()``): a NeMo-RL without the checkpoint-engine seam
@@ -64,6 +67,7 @@ class DcrCheckpointEngine:
         self.policy: PolicySide | None = None
         self.rollout: RolloutSide | None = None
         self._worker: Any = None
+        self._policy_worker: Any = None
         self._probe: tuple | None = None
         self._engine: TensorEngine | None = None
 
@@ -77,7 +81,8 @@ class DcrCheckpointEngine:
         return None if last is None else last.version
 
     def get_target_weight_layout(self) -> None:
-        """None: the policy exports full HF tensors (every vLLM rank takes its part from the refit)."""
+        """None: NeMo-RL hands over its full HF export unfiltered (drained on the export path, left
+        unstarted on the shard path); every vLLM rank takes its part from the refit."""
         return None
 
     def prepare(self) -> dict:
@@ -92,6 +97,7 @@ class DcrCheckpointEngine:
         check_seam(required=False)  # a worker environment may hold another NeMo-RL than the driver's
         owner = self._worker or find_owner(self)
         if owner is None or not hasattr(owner, "model_runner"):
+            self._policy_worker = owner  # a policy worker (or none found): its model is read at the first sync
             return policy_metadata(self.nonce)
         if self._probe is None:
             refuse_unsupported(getattr(owner, "state_dict_info", None) or {}, owner)
@@ -112,7 +118,7 @@ class DcrCheckpointEngine:
         topo = self._topology(metadata, train_world_size, rollout_world_size, worker_rank)
         if self.policy is None or self.policy.topo.session != topo.session:
             held = self.policy.held if self.policy is not None else None
-            self.policy = PolicySide(self.options, self.key, worker_rank, topo, held)
+            self.policy = PolicySide(self.options, self.key, worker_rank, topo, held, self._policy_worker)
 
     def init_rollout_process_group(self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int,
                                    metadata: list) -> None:
@@ -129,7 +135,8 @@ class DcrCheckpointEngine:
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One sync from this policy worker (blocking: the refit is collective over the policy
-        workers and waits for the engines; NeMo-RL awaits it in the worker's event loop)."""
+        workers and waits for the engines; NeMo-RL awaits it in the worker's event loop).
+        ``weights`` (NeMo-RL's export generator) is not started when capturing from the shards."""
         if self.policy is None:
             raise RuntimeError("send_weights before init_policy_process_group")
         self.policy.send(weights)

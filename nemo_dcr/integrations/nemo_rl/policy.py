@@ -1,28 +1,38 @@
 """Policy side of the NeMo-RL plugin: one policy worker of the refit's trainer group.
 
-Every policy worker drains NeMo-RL's export (Megatron Bridge yields the full HF tensors on every
-rank, by collectives, so every rank must iterate it to the end) and keeps a CPU copy of only the
-canonical tensors it *owns* (:func:`nemo_dcr.refit.routing.assign_owners`, the owners the refit
-itself uses, so routing moves nothing between ranks).  Those copies are a
-:class:`~nemo_dcr.refit.canonical.CanonicalSource` for a :class:`~nemo_dcr.refit.DeltaRefit`
-whose trainer group runs over the store transport (:class:`~nemo_dcr.refit.group.TransportGroup`):
-each ``send_weights`` is one ``attach()`` (first sync of a session: the engines' checksums decide
-what to send; vLLM starts from dummy weights, so everything) or one ``step()``.
+The first sync of a session decides, on every policy worker at once (one ``all_true`` over the
+trainer group, so all take the same path), where the refit reads the weights:
 
-A failure anywhere in that attempt after the export was drained (an exception on any policy or
-rollout worker, a refit that did not commit) ends it for every party
-(:class:`~.session.SyncAborted`) and the sync resyncs at once through the same path (a fresh
-``attach()`` from the owned copies: checksums decide what to send); only when that fails too,
-or when the export itself was bad (it is read once), does ``send_weights`` raise, naming the
-rank and cause of each attempt.  Policy rank 0 then tells every rollout worker that the sync is
-over (an ``END`` with a successful :class:`~.session.SyncOutcome`).
+* **shards** (a Megatron policy worker, :func:`.shards.policy_shards`): the one refit path's
+  capture / remap / encode runs on the worker's own megatron-core shards
+  (:class:`~nemo_dcr.integrations.megatron.MegatronSource`, as in the main job); NeMo-RL's
+  export iterator is never started, so Megatron-Bridge's export and its gathers do not run, and
+  no worker keeps a copy of the model.
+* **export** (anything else, said once in the log with the reason): every worker drains
+  NeMo-RL's export (Megatron Bridge yields the full HF tensors on every rank, by collectives,
+  so every rank iterates it to the end) and keeps a CPU copy of only the canonical tensors it
+  *owns* (:func:`nemo_dcr.refit.routing.assign_owners`, the owners the refit itself uses, so
+  routing moves nothing between ranks): a :class:`~nemo_dcr.refit.canonical.CanonicalSource`.
+
+Either source feeds one :class:`~nemo_dcr.refit.DeltaRefit` whose trainer group runs over the
+store transport (:class:`~nemo_dcr.refit.group.TransportGroup`): each ``send_weights`` is one
+``attach()`` (first sync of a session: the engines' checksums decide what to send; vLLM starts
+from dummy weights, so everything) or one ``step()``.
+
+A failure anywhere in that attempt (an exception on any policy or rollout worker, a refit that
+did not commit) ends it for every party (:class:`~.session.SyncAborted`) and the sync resyncs at
+once through the same path (a fresh ``attach()`` from the live shards or the owned copies:
+checksums decide what to send); only when that fails too, or when the export itself was bad (it
+is read once), does ``send_weights`` raise, naming the rank and cause of each attempt.  Policy
+rank 0 then tells every rollout worker that the sync is over (an ``END`` with a successful
+:class:`~.session.SyncOutcome`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -30,12 +40,17 @@ from nemo_dcr.refit import DeltaRefit, RefitReport, engine_wiring
 from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import TransportGroup
 from nemo_dcr.refit.routing import assign_owners
+from nemo_dcr.refit.source import TrainerSource
 from nemo_dcr.telemetry import Phase, PhaseClock
 from nemo_dcr.types import DTYPES
 
 from .options import PluginOptions
 from .session import ATTEMPTS, SyncAborted, SyncOutcome, SyncTransport, Topology, remove_other_sessions, remove_stale
-from .sync_log import log_sync, log_unloaded
+from .shards import policy_shards
+from .sync_log import log_once, log_sync, log_unloaded
+
+SHARDS, EXPORT = "shards", "export"
+"""Where the refit reads the policy's weights (:attr:`PolicySide.capture`)."""
 
 
 def _numel(shape) -> int:
@@ -54,15 +69,26 @@ class PolicySide:
         rank: this worker's rank (refit-group rank).
         topo: the session.
         held: CPU tensors of an earlier session of this worker (reused when the owners agree).
+        worker: the NeMo-RL policy worker hosting the engine (:func:`.shards.policy_shards` reads
+            its model; None: the export).
+
+    Attributes:
+        capture: :data:`SHARDS` or :data:`EXPORT` once the session's first sync chose (None before).
+        capture_detail: what was found, or why the export is used.
+        held: the owned canonical copies (export path only; allocated at the first drain).
     """
 
     def __init__(self, options: PluginOptions, key: bytes, rank: int, topo: Topology,
-                 held: Mapping[str, torch.Tensor] | None = None):
+                 held: Mapping[str, torch.Tensor] | None = None, worker: Any = None):
         self.options, self.key, self.rank, self.topo = options, key, rank, topo
         owners = assign_owners({n: _numel(s) for n, (_, s) in topo.table.items()}, topo.train_world)
         self.owned = sorted(n for n, r in owners.items() if r == rank)
-        held = dict(held or {})
-        self.held = {n: held[n] if n in held and self._fits(n, held[n]) else self._empty(n) for n in self.owned}
+        self._earlier = dict(held or {})
+        self.held: dict[str, torch.Tensor] = {}
+        self.worker = worker
+        self.capture: str | None = None
+        self.capture_detail = ""
+        self.shards: TrainerSource | None = None
         self.transport = SyncTransport(topo.folder, rank, key, topo.session, abort_on_end=True)
         self.group = TransportGroup(self.transport, range(topo.train_world), options.dcr.reply_timeout_s)
         self.refit: DeltaRefit | None = None
@@ -87,6 +113,33 @@ class PolicySide:
         dtype, shape = self.topo.table[name]
         return t.dtype == DTYPES[dtype].torch_dtype and tuple(t.shape) == shape
 
+    def _held_tensors(self) -> dict[str, torch.Tensor]:
+        """The owned copies (allocated once; an earlier session's are reused where they fit)."""
+        if not self.held:
+            earlier = self._earlier
+            self.held = {n: earlier[n] if n in earlier and self._fits(n, earlier[n]) else self._empty(n)
+                         for n in self.owned}
+            self._earlier = {}
+        return self.held
+
+    def choose_capture(self) -> str:
+        """Shards on every worker, or the export on every worker (collective over the policy
+        workers; the choice is said once in the log)."""
+        found = policy_shards(self.worker, self.topo.table)
+        if self.group.all_true(found.source is not None):
+            self.shards, self.capture, self.capture_detail = found.source, SHARDS, found.detail
+            self._earlier = {}
+            log_once(("capture", self.topo.session), "capture from the policy's own Megatron shards, NeMo-RL's "
+                                                     f"export is not run ({found.detail})", self.rank == 0)
+            return self.capture
+        self.capture = EXPORT
+        self.capture_detail = found.detail if found.source is None else \
+            "another policy worker cannot capture from its shards"
+        log_once(("capture", EXPORT, self.capture_detail),
+                 f"policy rank {self.rank}: capture from NeMo-RL's export, copying owned tensors "
+                 f"({self.capture_detail})", found.source is None or self.rank == 0)
+        return self.capture
+
     def drain(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Iterate the whole export, copying the owned tensors into :attr:`held`; returns tensors seen.
 
@@ -94,7 +147,7 @@ class PolicySide:
             ValueError: after the export ended, naming tensors missing from, unknown to or
                 disagreeing with the canonical table.
         """
-        held = self.held
+        held = self._held_tensors()
         self._drained = False
         seen, problems = set(), []
         for name, t in weights:
@@ -121,19 +174,22 @@ class PolicySide:
     def _refit_once(self) -> RefitReport:
         if self.refit is None:
             cfg = self.options.session_config(self.topo.folder)
-            source = CanonicalSource(self.held, canonical=self.topo.table)
+            source = self.shards if self.capture == SHARDS else CanonicalSource(self._held_tensors(),
+                                                                                 canonical=self.topo.table)
             wiring = engine_wiring(self.transport, range(self.topo.train_world),
                                    range(self.topo.train_world, self.topo.train_world + self.topo.rollout_world),
                                    self.group)
             self.refit = DeltaRefit(cfg, source, wiring, key=self.key, model="nemo_rl")
             mine = sorted(n for n, r in self.refit.sender.owners.items() if r == self.rank)
-            if mine != self.owned:
+            if self.capture == EXPORT and mine != self.owned:
                 raise RuntimeError(f"policy rank {self.rank}: DeltaRefit's owners differ from the session's")
             return self.refit.attach()
         return self.refit.step()
 
     def _attempt(self, weights: Iterable[tuple[str, torch.Tensor]] | None, clock: PhaseClock) -> RefitReport:
-        if weights is not None:
+        if self.capture is None:
+            self.choose_capture()
+        if weights is not None and self.capture == EXPORT:
             with clock(Phase.EXPORT):
                 self.drain(weights)
         report = self._refit_once()
@@ -142,7 +198,8 @@ class PolicySide:
         return replace(report, times={**clock.seconds, **report.times})
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> RefitReport:
-        """One sync (see the module docstring); NeMo-RL's export ``weights`` is drained once.
+        """One sync (see the module docstring): NeMo-RL's export ``weights`` is drained once on the
+        export path and left unstarted on the shard path.
 
         Raises:
             RuntimeError: the sync and its resync both failed (names the rank and cause of each);
@@ -163,7 +220,7 @@ class PolicySide:
             except SyncAborted as exc:
                 outcome = exc.outcome
             except Exception as exc:  # noqa: BLE001 - any failure ends the attempt for every party
-                retry = attempt + 1 < ATTEMPTS and self._drained
+                retry = attempt + 1 < ATTEMPTS and (self.capture == SHARDS or self._drained)
                 outcome = SyncOutcome(self.syncs, attempt, False, not retry, self.rank,
                                       f"{type(exc).__name__}: {str(exc)[:800]}")
                 self.transport.end(self.parties, outcome)
@@ -183,6 +240,7 @@ class PolicySide:
 
     def _failed(self, failures: list[SyncOutcome]) -> str:
         what = [f"attempt {f.attempt + 1} ended by {f.describe(self.topo.train_world)}" for f in failures]
-        tail = "its resync failed too" if len(failures) > 1 else "no resync was possible (the export is read once)"
+        tail = "its resync failed too" if len(failures) > 1 else \
+            "no resync was possible (the export is read once)" if self.capture == EXPORT else "no resync was possible"
         return (f"nemo-dcr sync {self.syncs} failed on policy rank {self.rank}'s side: {'; '.join(what)}; {tail}; "
                 "the next sync re-attaches (checksums decide what to send)")

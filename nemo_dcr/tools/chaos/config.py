@@ -35,6 +35,12 @@ class ChaosConfig:
     """Trainer checkpoints every N refits (what a relaunch after ``kill-trainer`` resumes from)."""
     verify: str = "sampled"
     """``dcr.verify`` of the run."""
+    duration_s: float = 0.0
+    """A soak: no refit starts once this many seconds have passed since the run began (0: run all
+    ``refits``, which stays the most)."""
+    until: float = 0.0
+    """Wall-clock time (``time.time()``) after which no refit starts; set by the supervisor from
+    ``duration_s``, so relaunched trainers keep the run's own end."""
     workdir: str = ""
 
     @property

@@ -236,6 +236,7 @@ def engine_main(cfg, generation: int) -> None:
     served = Served(cfg.engine, build(cfg.engine, wd, KEY if cfg.keyed else None, dcr_config(cfg)))
     engine = ChaosEngine(served, wd, log, seed=cfg.seed * 7919 + generation)
     log(dict(started=cfg.engine))
+    wd.publish("engine-ready", dict(pid=os.getpid()))
     stop = threading.Event()
     threads = [threading.Thread(target=f, args=a, daemon=True)
                for f, a in ((rollouts, (engine, log, stop)), (checks, (engine, wd, log, stop)))]

@@ -56,12 +56,22 @@ class Supervisor:
                                                 t=round(time.time(), 3)))
         return p
 
-    def _next_generation(self, why: str) -> None:
+    def _start_engine(self):
+        """The engine process; ``engine-started`` names it before any trainer wires up to its
+        generation, so trainers wait for that very process to be ready (``engine-ready``)."""
+        p = self._start("engine", self.cfg.trainers)
+        self.wd.publish("engine-started", dict(pid=p.pid, gen=self.generation))
+        return p
+
+    def _next_generation(self, why: str, engine: bool = False):
+        """A new generation of the refit group (with a fresh engine process first if ``engine``)."""
         self.restarts += 1
         if self.restarts > 2 * self.cfg.refits + 4:
             raise RuntimeError(f"chaos: {self.restarts} restarts for {self.cfg.refits} refits; giving up")
         self.generation += 1
+        started = self._start_engine() if engine else None
         self.wd.publish("generation", dict(gen=self.generation, why=why))
+        return started
 
     sample_s = 10.0
     """Seconds between two samples of the processes' resident memory."""
@@ -84,7 +94,7 @@ class Supervisor:
     def run(self, timeout: float) -> None:
         """Until every trainer rank finished its refits and the engine stopped (or ``timeout``)."""
         self.wd.publish("generation", dict(gen=0, why="start"))
-        engine = self._start("engine", self.cfg.trainers)
+        engine = self._start_engine()
         trainers = [self._start("trainer", r) for r in range(self.cfg.trainers)]
         deadline = time.monotonic() + timeout
         next_sample = time.monotonic()
@@ -100,8 +110,7 @@ class Supervisor:
                     self._died("engine", self.cfg.trainers, engine)
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(engine.pid, signal.SIGKILL)  # what it started (vLLM's engine core)
-                    self._next_generation("the engine process died")
-                    engine = self._start("engine", self.cfg.trainers)
+                    engine = self._next_generation("the engine process died", engine=True)
                 dead = [(r, p) for r, p in enumerate(trainers) if p.exitcode not in (None, 0)]
                 if dead:
                     seen = [self._died("trainer", r, p) for r, p in dead]
@@ -170,7 +179,7 @@ def run_chaos(cfg: ChaosConfig, timeout: float = 1800.0) -> dict:
     if "disk-full" in cfg.faults and cfg.transport != "store":
         raise ValueError("disk-full is a fault of the store transport: run with transport 'store'")
     with tempfile.TemporaryDirectory(prefix="nemo-dcr-chaos-") as tmp:
-        cfg = replace(cfg, workdir=tmp)
+        cfg = replace(cfg, workdir=tmp, until=time.time() + cfg.duration_s if cfg.duration_s > 0 else 0.0)
         wd = Workdir(tmp)
         write_initial_weights(cfg, wd)
         for folder in (wd.checks, wd.path("ckpt"), wd.path("fired")):

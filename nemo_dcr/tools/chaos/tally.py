@@ -183,10 +183,25 @@ def _report(cfg, rows, engine, supervisor, by, how, regions, false_alarms, unexp
         deaths=[dict(died=d["died"], rank=d["rank"], code=d["code"]) for d in supervisor if "died" in d],
         seconds=round(seconds, 1), refits_per_hour=round(len(rows) / hours, 1) if hours else None,
         faults_per_hour=round(injected / hours, 1) if hours else None, memory_mb=_memory(rss),
+        memory_trace=_trace(rss), duration_s=cfg.duration_s,
         changed_per_refit=[r["changed"] for r in rows], seed=cfg.seed, trainer_ranks=cfg.trainers, engine_ranks=1,
         keyed=cfg.keyed, engine_kind=cfg.engine, transport=cfg.transport, verify=cfg.verify,
         trainer=f"megatron-core GPTModel dense-tiny (width 128) at TP={cfg.tp} PP={cfg.pp} (fp32-master AdamW, "
                 f"real steps)")
+
+
+def _trace(samples: list[dict], every_s: float = 600.0) -> list[dict]:
+    """The resident memory (MB) of the engine and the trainer ranks, one sample per ``every_s``
+    from the first refit on (whichever processes were alive then): growth over a soak, across
+    restarts."""
+    out, next_t = [], None
+    for s in samples:
+        if next_t is None or s["t"] >= next_t:
+            t0 = out[0]["t"] if out else s["t"]
+            out.append(dict(t=s["t"], minute=round((s["t"] - t0) / 60, 1), **{
+                role: s[role]["mb"] for role in ("engine", "trainers") if role in s}))
+            next_t = s["t"] + every_s
+    return [{k: v for k, v in r.items() if k != "t"} for r in out]
 
 
 def _memory(samples: list[dict]) -> dict:

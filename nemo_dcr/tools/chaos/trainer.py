@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .faults import TRAINER_KILL_POINTS, schedule, tamper_for
+from .faults import FAILS_BY_DESIGN, TRAINER_KILL_POINTS, schedule, tamper_for
 from .state import Workdir
 
 
@@ -89,8 +89,22 @@ class Trainer:
 
         from .config import refit_transport
 
+        self._engine_up()
         self.switch = KillSwitch(refit_transport(self.cfg, self.wd, self.rank, generation), self.wd)
         return engine_wiring(self.switch, range(self.cfg.trainers), [self.cfg.trainers], self.group)
+
+    def _engine_up(self, timeout: float = 900.0) -> None:
+        """Wait until the engine process the supervisor started last has loaded its model: an
+        engine restarts slower than the run's short reply timeout under load, and the store
+        transport, unlike gloo's rendezvous, does not wait for the peer to be there."""
+        deadline = time.monotonic() + timeout
+        while True:
+            started, ready = self.wd.look("engine-started"), self.wd.look("engine-ready")
+            if started and ready and ready["pid"] == started["pid"]:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"chaos: engine process {started} not ready within {timeout}s")
+            time.sleep(0.2)
 
     def new_refit(self):
         """A fresh DeltaRefit (a restarted trainer process: new baseline, owners and mirror)."""
@@ -255,9 +269,18 @@ def _row(t: Trainer, i: int, kind: str | None, out, before: int, gen_before: int
                 bytes=out.payload_bytes, corrupted=log, seconds=round(out.times.get("total", 0.0), 4), **extra)
 
 
+def _time_is_up(cfg) -> bool:
+    """Whether a soak's time is over (rank 0's clock, broadcast so every rank stops at the same refit)."""
+    if not cfg.until:
+        return False
+    flag = torch.tensor([1 if time.time() >= cfg.until else 0], dtype=torch.int32)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
 def trainer_main(cfg, rank: int, generation: int, restart: dict | None) -> None:
     """Trainer rank: attach (resuming from the latest checkpoint after a relaunch), then the refits
-    with the scheduled faults, until refit ``cfg.refits``."""
+    with the scheduled faults, until refit ``cfg.refits`` (or a soak's ``cfg.until``)."""
     from nemo_dcr.transport import Envelope, MessageKind
 
     torch.set_num_threads(1)
@@ -273,6 +296,8 @@ def trainer_main(cfg, rank: int, generation: int, restart: dict | None) -> None:
     plan, checkpoints = schedule(cfg.refits, cfg.faults, cfg.seed, cfg.fault_rate), []
     rng = random.Random(cfg.seed * 7919 + rank + 1000 * generation)
     for i in range(start + 1, cfg.refits + 1):
+        if plan.get(i - 1) not in FAILS_BY_DESIGN and _time_is_up(cfg):
+            break  # (a refit that recovers the one before it is always made)
         kind = plan.get(i)
         if kind == "kill-trainer" and t.wd.look(f"fired/kill-trainer-{i}"):
             kind = None  # the relaunch redoes this refit without killing again

@@ -28,7 +28,10 @@ def register(subparsers) -> None:
     p.add_argument("--transport", choices=("gloo", "store"), default="gloo",
                    help="the refit transport (disk-full needs store)")
     p.add_argument("--no-key", action="store_true", help="unauthenticated payloads (the codec's checks alone)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before the processes are stopped")
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="a soak: seconds after which no refit starts (--refits stays the most; 0: all refits)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before the processes are stopped (default 1800, or --duration + 1800)")
     p.add_argument("--json", action="store_true", help="print the JSON report only")
     p.set_defaults(func=run)
 
@@ -41,13 +44,16 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         raise ValueError(f"--faults: unknown {unknown}; known: {', '.join(FAULTS)}")
-    if args.refits < 1 or not 0 <= args.fault_rate <= 1:
-        raise ValueError("--refits must be >= 1 and --fault-rate within [0, 1]")
+    if args.refits < 1 or not 0 <= args.fault_rate <= 1 or args.duration < 0:
+        raise ValueError("--refits must be >= 1, --fault-rate within [0, 1] and --duration >= 0")
+    timeout = args.timeout if args.timeout is not None else 1800 + args.duration
+    if timeout <= args.duration:
+        raise ValueError(f"--timeout {timeout} must be longer than --duration {args.duration}")
     if "disk-full" in faults and args.transport != "store":
         raise ValueError("--faults disk-full is a fault of the store transport: add --transport store")
     cfg = ChaosConfig(args.refits, faults, args.seed, args.fault_rate, tp=args.tp, pp=args.pp, keyed=not args.no_key,
-                      engine=args.engine, transport=args.transport)
-    report = run_chaos(cfg, timeout=args.timeout)
+                      engine=args.engine, transport=args.transport, duration_s=args.duration)
+    report = run_chaos(cfg, timeout=timeout)
     if args.json:
         print(json.dumps(report))
     else:

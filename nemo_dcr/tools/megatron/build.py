@@ -199,6 +199,15 @@ def build_gpt_model(dims: ModelDims, dtype: torch.dtype = torch.bfloat16,
     return chunks
 
 
+def wrap_ddp(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Megatron DDP with the distributed optimizer around every chunk (buffers on this device)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                        overlap_grad_reduce=False, bucket_size=1 << 14)
+    return [DistributedDataParallel(c.config, cfg, c) for c in chunks]
+
+
 def _patch_mla_core_attention(spec) -> None:
     """Make the local spec's MLA buildable on megatron-core 0.16.1.
 

@@ -65,15 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _wrap_ddp(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Megatron DDP with the distributed optimizer around every chunk (buffers on this device)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-                                        overlap_grad_reduce=False, bucket_size=1 << 14)
-    return [DistributedDataParallel(c.config, cfg, c) for c in chunks]
-
-
 def _compare(engine: TensorEngine | None, ref: dict | None) -> list[str]:
     if engine is None:
         return []
@@ -107,7 +98,7 @@ def run(args) -> dict:
     if args.checkpoint:
         load_hf(chunks, load_checkpoint(args.checkpoint), dims)
     if args.ddp:
-        chunks = _wrap_ddp(chunks)
+        chunks = am.wrap_ddp(chunks)
     source = source_from_model(chunks, vocab_size=dims.vocab_size, **uneven)
     stage_layers = check_chunks(chunks, source.plans, dims)
     cfg = DcrConfig(encoding=args.encoding, verify="full")
