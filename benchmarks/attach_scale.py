@@ -1,9 +1,9 @@
 """Attach cost of a vLLM engine against parameter count (CPU): probe, attach, first sync, preflight.
 
 Usage:
-    python benchmarks/attach_scale.py [--sizes 135m,360m,1b] [--moe] [--json OUT]
+    python benchmarks/attach_scale.py [--sizes 135m,360m,1b] [--moe] [--json OUT]   (sizes: 50m, 135m, 360m, 1b)
 
-For each size a Llama-shaped config (SmolLM2-135M, SmolLM2-360M, a TinyLlama-1.1B-shaped model;
+For each size a Llama-shaped config (a 50M one, SmolLM2-135M, SmolLM2-360M, a TinyLlama-1.1B-shaped model;
 ``--moe`` adds two Qwen3-MoE-shaped models of about the same size with 8 and 64 experts, to show
 that experts cost per element, not per expert call) gets random bf16 weights (written straight
 to safetensors: nothing is downloaded), one vLLM engine (TP=1, in-process, one at a time) is
@@ -16,7 +16,11 @@ started on it, and this process measures:
 * ``attach``: building each rank's engine over the live params (placement, class indexes);
 * ``first_sync``: ``DeltaRefit.attach`` of a trainer holding the same weights (checksums on both
   sides; nothing to send), of which ``preflight``: vLLM's in-place reload compared with what the
-  engine holds.
+  engine holds, with the peak RSS growth of the process during it (trainer and engine side: the
+  benchmark holds both);
+* ``attach_rss_kept``: RSS growth from before the probe to after the first sync, less the
+  trainer's own copy of the weights, after ``malloc_trim`` (what attaching leaves held: the
+  engine's class indexes, the trainer's mirror and its indexes).
 
 Printed per size: seconds, seconds per billion parameters and the ratio to ``vllm_load``.
 """
@@ -32,6 +36,8 @@ import time
 from pathlib import Path
 
 SIZES = {
+    "50m": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=6,
+                num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True),
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
     "360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
@@ -95,6 +101,16 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim() -> None:
+    """Hand malloc's free lists back to the system (glibc), so RSS counts what is still held."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def measure(model_dir: Path, params: int) -> dict:
     from nemo_dcr.checkpoint import load_checkpoint
     from nemo_dcr.config.schema import DcrConfig
@@ -105,23 +121,29 @@ def measure(model_dir: Path, params: int) -> dict:
     t0 = time.perf_counter()
     llm = start_llm(str(model_dir), max_model_len=256, skip_tokenizer_init=True, max_num_seqs=4)
     t_load = time.perf_counter() - t0
+    before = _rss()
     with RssPeak() as rss:
         t0 = time.perf_counter()
         engine = VllmEngine(llm, canonical_shapes(model_dir), KEY, dtypes=canonical_dtypes(model_dir))
         t_engine = time.perf_counter() - t0
     stats = engine.probed[0]["stats"]
     cfg = DcrConfig(transport="inprocess", reply_timeout_s=3600, telemetry_encodings=[])
+    loaded = _rss()
     tensors = {n: t.clone() for n, t in load_checkpoint(model_dir).items()}
-    t0 = time.perf_counter()
-    refit = DeltaRefit(cfg, CanonicalSource(tensors), colocated_wiring(cfg, 0, KEY), engine, key=KEY)
-    report = refit.attach()
-    t_sync = time.perf_counter() - t0
+    trainer = _rss() - loaded
+    with RssPeak() as sync_rss:
+        t0 = time.perf_counter()
+        refit = DeltaRefit(cfg, CanonicalSource(tensors), colocated_wiring(cfg, 0, KEY), engine, key=KEY)
+        report = refit.attach()
+        t_sync = time.perf_counter() - t0
+    _trim()
+    kept = _rss() - before - trainer
     refit.close(60)
     engine.close()
     row = dict(params=params, vllm_load=t_load, probe=stats["seconds"], probe_calls=stats["load_calls"],
                probe_peak_bytes=stats["peak_bytes"], probe_rss_growth=rss.growth,
                attach=t_engine - stats["seconds"], first_sync=t_sync, preflight=report.times.get("preflight", 0.0),
-               resynced=report.resynced)
+               first_sync_rss_growth=sync_rss.growth, attach_rss_kept=kept, resynced=report.resynced)
     row["total"] = row["probe"] + row["attach"] + row["first_sync"]
     return row
 
@@ -147,7 +169,8 @@ def main() -> None:
         print(f"{name:>6} {r['params'] / 1e6:8.1f}M params: vLLM load {r['vllm_load']:6.1f} s | probe {r['probe']:6.2f} s "
               f"({r['probe'] * per_b:6.1f} s/B, {r['probe_calls']} load_weights calls, peak probe buffers "
               f"{r['probe_peak_bytes'] / 2**20:7.1f} MiB, RSS +{r['probe_rss_growth'] / 2**20:7.1f} MiB) | attach "
-              f"{r['attach']:6.2f} s | first sync {r['first_sync']:6.2f} s (preflight {r['preflight']:5.2f} s) | total "
+              f"{r['attach']:6.2f} s | first sync {r['first_sync']:6.2f} s (preflight {r['preflight']:5.2f} s, RSS "
+              f"+{r['first_sync_rss_growth'] / 2**20:7.1f} MiB; kept after attach {r['attach_rss_kept'] / 2**20:7.1f} MiB) | total "
               f"{r['total']:6.2f} s = {r['total'] * per_b:6.1f} s/B = {r['total'] / r['vllm_load']:.2f}x vLLM load",
               flush=True)
     if a.json:

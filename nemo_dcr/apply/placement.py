@@ -18,7 +18,7 @@ Everything here is framework-free (torch and numpy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -93,13 +93,28 @@ class Runs:
     @property
     def view_start(self) -> np.ndarray:
         """View index ``j`` of each run's first element."""
-        return np.concatenate([[0], np.cumsum(self.length)[:-1]]).astype(np.int64)
+        return (np.cumsum(self.length) - self.length).astype(np.int64)
 
     def expand(self) -> tuple[np.ndarray, np.ndarray]:
         """All (canonical, local) pairs in view order (O(held elements); for tests and gathers)."""
         rep = np.repeat(np.arange(self.length.size), self.length)
         k = np.arange(self.numel, dtype=np.int64) - np.repeat(self.view_start, self.length)
         return self.canon[rep] + k, self.local[rep] + k * self.step[rep]
+
+    def pieces(self, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`expand` in view-order pieces of at most about ``chunk`` elements (long runs are
+        split): a pass over the held elements with temporaries bounded by ``chunk``."""
+        canon, local, length, step = [], [], [], []
+        for c, l, n, k in zip(self.canon.tolist(), self.local.tolist(), self.length.tolist(), self.step.tolist()):
+            for s in range(0, n, chunk):
+                canon.append(c + s), local.append(l + s * k), length.append(min(chunk, n - s)), step.append(k)
+        ends = np.cumsum(np.array(length, np.int64))
+        lo = 0
+        while lo < len(length):
+            hi = int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + chunk, side="right"))
+            hi = max(hi, lo + 1)
+            yield Runs(*(np.array(v[lo:hi], np.int64) for v in (canon, local, length, step))).expand()
+            lo = hi
 
     def select(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For sorted canonical ``positions``: (held mask, view index, local index) of the held ones."""
@@ -220,28 +235,60 @@ def view_delta(delta: SparseDelta, runs: Runs) -> SparseDelta:
 
 
 def assign_primary(ranks: Sequence[RankPlacement]) -> list[dict[str, TensorPlacement]]:
-    """Mark, per tensor, the elements each rank is the lowest holder of (for checksum sums)."""
+    """Mark, per tensor, the elements each rank is the lowest holder of (for checksum sums).
+
+    Cost ∝ runs per tensor and rank (canonical intervals, never a per-element mask)."""
     out: list[dict[str, TensorPlacement]] = [dict() for _ in ranks]
     names = sorted({n for r in ranks for n in r})
     for name in names:
-        taken = None
+        taken = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # canonical intervals held by lower ranks
         for e, rank in enumerate(ranks):
             tp = rank.get(name)
             if tp is None:
                 continue
-            if taken is None:
-                taken = np.zeros(int(np.prod(tp.shape)) if tp.shape else 1, bool)
-            canon, _ = tp.runs.expand()
-            mine = ~taken[canon]
-            taken[canon] = True
-            out[e][name] = TensorPlacement(tp.name, tp.shape, tp.param, tp.param_shape, tp.runs, _intervals(mine))
+            r = tp.runs
+            cuts = np.unique(np.concatenate([r.canon, r.canon + r.length, *taken]))
+            a, b = cuts[:-1], cuts[1:]
+            held, i = _within(a, r.canon, r.canon + r.length)
+            mine = held & ~_within(a, *taken)[0]
+            view = r.view_start[i[mine]] + a[mine] - r.canon[i[mine]]
+            out[e][name] = TensorPlacement(tp.name, tp.shape, tp.param, tp.param_shape, tp.runs,
+                                           _joined(view, view + (b - a)[mine]))
+            taken = _union(taken, (r.canon, r.canon + r.length))
     return out
 
 
-def _intervals(mask: np.ndarray) -> tuple[tuple[int, int], ...]:
-    """``(start, length)`` of every run of True in ``mask``."""
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    return tuple((int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2]))
+def _within(x: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whether each ``x`` lies in one of the disjoint intervals ``[starts, ends)`` (sorted by
+    start), and the index of that interval."""
+    if not starts.size:
+        return np.zeros(x.size, bool), np.zeros(x.size, np.int64)
+    order = np.argsort(starts, kind="stable")
+    i = np.searchsorted(starts[order], x, side="right") - 1
+    j = order[np.maximum(i, 0)]
+    return (i >= 0) & (x < ends[j]), j
+
+
+def _joined(starts: np.ndarray, ends: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """``(start, length)`` of sorted disjoint intervals, touching ones joined."""
+    if not starts.size:
+        return ()
+    brk = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+    lo, hi = starts[np.concatenate([[0], brk])], ends[np.concatenate([brk - 1, [ends.size - 1]])]
+    return tuple((int(a), int(b - a)) for a, b in zip(lo, hi))
+
+
+def _union(x: tuple[np.ndarray, np.ndarray], y: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The union of two sets of disjoint intervals ``(starts, ends)``, as sorted disjoint intervals."""
+    s, e = np.concatenate([x[0], y[0]]), np.concatenate([x[1], y[1]])
+    keep = e > s
+    s, e = s[keep], e[keep]
+    if not s.size:
+        return s, e
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], np.maximum.accumulate(e[order])
+    brk = np.flatnonzero(s[1:] > e[:-1]) + 1
+    return s[np.concatenate([[0], brk])], e[np.concatenate([brk - 1, [e.size - 1]])]
 
 
 def check_coverage(ranks: Sequence[RankPlacement], shapes: Mapping[str, Sequence[int]],

@@ -26,7 +26,8 @@ rearranged by a kernel backend, see ``nemo_dcr.integrations.vllm.kinds``).
 Cost: one ``load_weights`` call per canonical tensor to record, two per group of params that
 share tensors to probe (all experts of a fused param in one), one pass over each param per probe,
 scanned in chunks; memory: the probe buffers of one group (about 10 bytes per element of a bf16
-param) at a time.
+param) at a time, plus one probe tensor and temporaries bounded by :data:`CHUNK` elements (value
+probes are computed a chunk at a time, :func:`probe_tensor`).
 """
 
 from __future__ import annotations
@@ -140,6 +141,16 @@ def probe_values(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     e = ((h >> 12) % 13).double() - 6
     m = ((h >> 20) & 0x7F).double() / 128
     return (sign * torch.pow(2.0, e) * (1 + m)).to(dtype)
+
+
+def probe_tensor(offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`probe_values` of global indices ``offset .. offset + numel - 1`` (flat), computed
+    :data:`CHUNK` elements at a time: its float64 temporaries stay bounded by a chunk, not by the tensor."""
+    out = torch.empty(numel, dtype=dtype)
+    for lo in range(0, numel, CHUNK):
+        hi = min(numel, lo + CHUNK)
+        out[lo:hi] = probe_values(torch.arange(offset + lo, offset + hi, dtype=torch.int64), dtype)
+    return out
 
 
 def _components(writes: Mapping[str, Writes]) -> list[tuple[list[str], list[str]]]:
@@ -269,13 +280,13 @@ class _Group:
             buf = torch.empty(tuple(param.shape), dtype=param.dtype, device=self._device(p))
             int_view(buf).fill_(_FILLER[width])
             bufs[p] = buf
-        biggest = max(self.numel.values()) * 10
+        # the largest probe tensor (its float64 temporaries are bounded by a chunk: probe_tensor)
+        biggest = max(self.numel[n] * self.dtypes.get(n, torch.bfloat16).itemsize for n in self.names)
         self.peak = max(self.peak, sum(b.numel() * (b.element_size() + 1) for b in bufs.values()) + biggest)
 
         def values(n: str) -> torch.Tensor:
-            o = self.offset[n]
-            g = torch.arange(o, o + self.numel[n], dtype=torch.int64)
-            return probe_values(g, self.dtypes.get(n, torch.bfloat16)).reshape(tuple(self.shapes[n]))
+            return probe_tensor(self.offset[n], self.numel[n], self.dtypes.get(n, torch.bfloat16)
+                                ).reshape(tuple(self.shapes[n]))
         replaced = self._load(bufs, values)
         for p in replaced:
             transformed.update(found[p].runs)
@@ -293,7 +304,7 @@ class _Group:
         bad = set()
         for name, parts in found.runs.items():
             exact = self.dtypes.get(name, torch.bfloat16) == buf.dtype
-            for canon, local in _pairs(Runs.merged(parts), CHUNK):
+            for canon, local in Runs.merged(parts).pieces(CHUNK):
                 where = torch.from_numpy(local).to(flat.device)
                 seen[where] = True
                 if exact:
@@ -317,23 +328,6 @@ class _Group:
             bad |= set(found.runs) or set(self.names)  # writes the index probe cannot explain: not a copy
             consts = None
         return bad, consts
-
-
-def _pairs(runs: Runs, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``runs.expand()`` in pieces of at most about ``chunk`` elements (long runs are split)."""
-    canon, local, length, step = [], [], [], []
-    for c, l, n, k in zip(runs.canon.tolist(), runs.local.tolist(), runs.length.tolist(), runs.step.tolist()):
-        for s in range(0, n, chunk):
-            canon.append(c + s), local.append(l + s * k), length.append(min(chunk, n - s)), step.append(k)
-    length_a = np.array(length, np.int64)
-    ends = np.cumsum(length_a)
-    lo = 0
-    while lo < len(length):
-        hi = int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + chunk, side="right"))
-        hi = max(hi, lo + 1)
-        part = Runs(*(np.array(v[lo:hi], np.int64) for v in (canon, local, length, step)))
-        yield part.expand()
-        lo = hi
 
 
 def probe_engine(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],

@@ -22,6 +22,9 @@ from .placement import Runs
 _GATHER_RUNS = 64
 """Up to this many runs a gather copies slices; beyond it, one indexed gather."""
 
+_CHUNK = 1 << 22
+"""Elements per indexed copy of :meth:`ShardView.scatter_canonical` (bounds its index arrays)."""
+
 
 @dataclass(frozen=True)
 class ShardView:
@@ -74,3 +77,15 @@ class ShardView:
         index = torch.repeat_interleave(local, length, output_size=r.numel) + \
             within * torch.repeat_interleave(step, length, output_size=r.numel)
         return flat[index]
+
+    def scatter_canonical(self, out: torch.Tensor) -> None:
+        """Write the held elements at their canonical flat indices of ``out`` (a flat host tensor
+        of the canonical tensor's length and the param's dtype): run by run (slices, no
+        per-element index) up to :data:`_GATHER_RUNS` runs, else by indexes a chunk at a time."""
+        flat, r = self.param.detach().reshape(-1), self.runs
+        if r.length.size <= _GATHER_RUNS:
+            for c, l, n, k in zip(r.canon.tolist(), r.local.tolist(), r.length.tolist(), r.step.tolist()):
+                out[c:c + n] = flat[l:l + (n - 1) * k + 1:k].cpu()
+            return
+        for canon, local in r.pieces(_CHUNK):
+            out[torch.from_numpy(canon)] = flat[torch.from_numpy(local).to(flat.device)].cpu()

@@ -23,7 +23,7 @@ import numpy as np
 
 from nemo_dcr.kernels.traffic import host_bits
 from nemo_dcr.types import SparseDelta
-from nemo_dcr.verify.checksum import checksums_after, hash_sum, tensor_checksum
+from nemo_dcr.verify.checksum import checksums_after, tensor_checksum
 from nemo_dcr.verify.sample import Sample, runs_checksum, whole_checksum
 
 from .contract import EngineChecksums
@@ -39,12 +39,6 @@ def _bits(t: Live) -> np.ndarray:
 def full_checksums(tensors: Mapping[str, Live]) -> dict[str, int]:
     """Checksum of every tensor by a full scan (index = flat index, or view index for a view)."""
     return {name: tensor_checksum(_bits(t)) for name, t in tensors.items()}
-
-
-def _primary_view(tp: TensorPlacement) -> np.ndarray:
-    if not tp.primary:
-        return np.zeros(0, np.int64)
-    return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in tp.primary])
 
 
 def _in_primary(tp: TensorPlacement, view: np.ndarray) -> np.ndarray:
@@ -78,9 +72,12 @@ class HeldSums:
         self.rescan()
 
     def _scan_canonical(self, name: str) -> int:
+        """Canonical partial sum of ``name``'s primary elements, from the runs of the primary view
+        intervals (no per-element index arrays)."""
         tp = self.placed[name]
-        view = _primary_view(tp)
-        return hash_sum(tp.runs.view_to_canon(view), _bits(self.tensors[name])[view])
+        r = tp.runs
+        primary = Runs(r.canon, r.view_start, r.length).of_view(tp.primary)  # local: the view index
+        return runs_checksum(_bits(self.tensors[name]), primary.local, primary.canon, primary.length)
 
     def rescan(self, names: Iterable[str] | None = None) -> None:
         """Both values of ``names`` (default: every tensor) from what memory holds."""

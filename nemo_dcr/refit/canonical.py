@@ -66,11 +66,23 @@ class CanonicalSource:
         return {n: self.params[n].numel() for n in self._captured()}
 
     def pieces(self) -> list[SparseDelta]:
-        """Every captured element, with zero old bits."""
+        """Every captured element, with zero old bits.
+
+        Each piece's positions are ``0 .. numel - 1`` and its old bits zeros: read-only views of
+        one position array and one zero array per width, as long as the largest tensor, that every
+        piece shares (8 bytes per element of the largest tensor, not per element of the model)."""
+        names = self._captured()
+        iota = _read_only(np.arange(max((self.params[n].numel() for n in names), default=0), dtype=np.int64))
+        zeros: dict[np.dtype, np.ndarray] = {}
         out = []
-        for n in self._captured():
+        for n in names:
             t = self.params[n]
             bits = host_bits(t).copy()
-            out.append(SparseDelta(n, spec_of(t.dtype).name, tuple(t.shape), np.arange(bits.size, dtype=np.int64),
-                                   bits, np.zeros_like(bits)))
+            zero = zeros.setdefault(bits.dtype, _read_only(np.zeros(iota.size, bits.dtype)))
+            out.append(SparseDelta(n, spec_of(t.dtype).name, tuple(t.shape), iota[:bits.size], bits, zero[:bits.size]))
         return out
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a

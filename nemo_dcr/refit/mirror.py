@@ -69,6 +69,10 @@ class SenderMirror:
         out = []
         for d in pieces:
             pos, new, old = changes_at(self.bits[d.name], d.positions, d.new_bits)
+            if pos.size == d.positions.size and d.positions.flags.c_contiguous and d.new_bits.flags.c_contiguous:
+                pos, new = d.positions, d.new_bits  # every entry changes: keep the piece's arrays (no copy of them)
+                if d.old_bits is not None and d.old_bits.flags.c_contiguous and np.array_equal(old, d.old_bits):
+                    old = d.old_bits
             out.append(SparseDelta(d.name, d.dtype, d.shape, pos, new, old))
         return out
 
@@ -128,8 +132,11 @@ class SenderMirror:
             self.indexes.get(n, bits, DTYPES[self.meta[n][0]], self.checksums[n])
 
     def settle(self, names: Sequence[str], version: int) -> None:
-        """The engine holds the trainer-side bits (:meth:`current`) of ``names`` at ``version``."""
-        self.reset(self.current(names), version)
+        """The engine holds the trainer-side bits (:meth:`current`) of ``names`` at ``version``
+        (tensor by tensor: one tensor's copy at a time, not a second copy of every one)."""
+        for n in names:
+            self._install(n, self.current_bits(n))
+        self._installed(names, version)
 
     # -- the engine format: the engine holds the canonical tensors (see refit/fp8_mirror.py) ------------
 
@@ -162,10 +169,16 @@ class SenderMirror:
 
     def reset(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """After a resync: the engine holds ``tensors`` (owned names) at ``version``."""
-        self._staged = None
         for n, t in tensors.items():
-            self.bits[n] = host_bits(t).view(self.bits[n].dtype).copy()
-            self.checksums[n] = tensor_checksum(self.bits[n])
-            self._views.pop(n, None)  # recomputed from the new bits on demand
-        self.indexes.keep_current({n: self.checksums[n] for n in tensors})
+            self._install(n, host_bits(t).view(self.bits[n].dtype).copy())
+        self._installed(list(tensors), version)
+
+    def _install(self, name: str, bits: np.ndarray) -> None:
+        self.bits[name] = bits
+        self.checksums[name] = tensor_checksum(bits)
+        self._views.pop(name, None)  # recomputed from the new bits on demand
+
+    def _installed(self, names: Sequence[str], version: int) -> None:
+        self._staged = None
+        self.indexes.keep_current({n: self.checksums[n] for n in names})
         self.version = version

@@ -229,6 +229,10 @@ def by_owner(deltas: Iterable[SparseDelta], owners: Mapping[str, int], world: in
     return out
 
 
+def _increasing(pos: np.ndarray) -> bool:
+    return pos.size < 2 or bool((pos[1:] > pos[:-1]).all())
+
+
 def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
     """One delta per tensor from pieces sent by several ranks, sorted by position.
 
@@ -240,6 +244,9 @@ def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
         groups[p.name].append(p)
     out = []
     for name, ps in sorted(groups.items()):
+        if len(ps) == 1 and _increasing(ps[0].positions):
+            out.append(ps[0])  # one piece already in order: no copy (the first sync's pieces are the model)
+            continue
         pos = np.concatenate([p.positions for p in ps])
         order = np.argsort(pos, kind="stable")
         pos = pos[order]

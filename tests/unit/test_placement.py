@@ -107,6 +107,19 @@ def test_stepped_runs_map_a_transpose_one_run_per_row():
     assert held.all() and loc.tolist() == local[[5, 23]].tolist()
 
 
+def test_pieces_follow_the_expanded_runs():
+    e, a, b = 2, 3, 4
+    canon = np.concatenate([np.arange(e * a * b), np.arange(100, 110)])
+    local = np.concatenate([canon[:24] // (a * b) * (a * b) + canon[:24] % b * a + canon[:24] // b % a,
+                            np.arange(40, 50)])  # a transpose (step a), then one plain run
+    runs = Runs.from_pairs(canon, local)
+    c, l = runs.expand()
+    parts = list(runs.pieces(5))
+    assert all(p[0].size <= 5 for p in parts)
+    assert np.concatenate([p[0] for p in parts]).tolist() == c.tolist()
+    assert np.concatenate([p[1] for p in parts]).tolist() == l.tolist()
+
+
 def _pairs_of_view(runs, intervals):
     """The old way: every element of the intervals expanded, then compressed again."""
     view = np.concatenate([np.arange(s, s + n) for s, n in intervals] or [np.zeros(0, np.int64)])

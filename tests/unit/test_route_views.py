@@ -244,3 +244,22 @@ def test_three_trainer_ranks_refit_bit_exact_with_fewer_bytes_between_trainers_t
         _on_all(groups, lambda g: refits[g.rank].close(5))
         hub.transport(0).send(WORLD, Envelope(MessageKind.STOP, 0, 0))
         thread.join(10)
+
+
+def test_first_sync_pieces_share_one_position_array_and_are_not_copied_on_the_way():
+    from nemo_dcr.refit.canonical import CanonicalSource
+    from nemo_dcr.refit.mirror import SenderMirror
+    from nemo_dcr.refit.routing import merge
+
+    tensors = {"a": torch.arange(1, 7, dtype=torch.bfloat16), "b": torch.arange(1, 13, dtype=torch.bfloat16).reshape(3, 4)}
+    pieces = CanonicalSource(tensors).pieces()
+    assert [p.positions.tolist() for p in pieces] == [list(range(6)), list(range(12))]
+    assert np.shares_memory(pieces[0].positions, pieces[1].positions) and not pieces[0].positions.flags.writeable
+    merged = merge(pieces)
+    assert all(m is p for m, p in zip(merged, pieces))  # one ordered piece per tensor: no copy
+    mirror = SenderMirror({n: ("bf16", tuple(t.shape)) for n, t in tensors.items()})
+    owned = mirror.changes(merged)
+    assert all(o.positions is p.positions and o.new_bits is p.new_bits for o, p in zip(owned, pieces))
+    assert all(not o.old_bits.any() for o in owned)
+    with pytest.raises(ValueError, match="captured twice"):
+        merge([SparseDelta("a", "bf16", (6,), np.array([0, 2, 2], np.int64), np.ones(3, np.uint16))])

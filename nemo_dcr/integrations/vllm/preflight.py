@@ -44,8 +44,7 @@ def held_weights(engine: TensorEngine, dtypes) -> Iterator[tuple[str, torch.Tens
             yield name, view.param.reshape(tp.shape)
             continue
         full = torch.zeros(tp.shape, dtype=dtypes.get(name, view.dtype))
-        canon, _ = tp.runs.expand()
-        full.reshape(-1)[torch.from_numpy(canon)] = view.gather().cpu()
+        view.scatter_canonical(full.reshape(-1))
         yield name, full
 
 
