@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from nemo_dcr.apply import ApplyResult, EngineChecksums, EngineRefusedError, Parts, RefitRefusedError, VersionGuard
@@ -89,8 +90,28 @@ def start_llm(model: str, tensor_parallel_size: int = 1, **llm_kwargs):
     import vllm
 
     kwargs = {**dict(dtype="bfloat16", enforce_eager=True, max_model_len=512), **llm_kwargs}
+    if _uses_mla(model) and "attention_backend" not in kwargs and "attention_config" not in kwargs:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # on CPUs with AMX vLLM picks AMX_MLA, which packs W_UK / W_UV itself and frees
+            # kv_b_proj's weight: nothing a refit could write in place.  CPU_MLA (vLLM's
+            # reference CPU backend, its choice on every other CPU) keeps it as loaded.
+            kwargs["attention_backend"] = "CPU_MLA"
     return vllm.LLM(model=str(model), tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
                     **kwargs)
+
+
+def _uses_mla(model) -> bool:
+    """Whether the Hugging Face folder ``model`` holds a multi-head latent attention model
+    (DeepSeek-V2/V3, Kimi: ``kv_lora_rank`` in its config)."""
+    import json
+
+    config = Path(model) / "config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("kv_lora_rank"))
+    except (OSError, ValueError):
+        return False
 
 
 class VllmEngine:
