@@ -165,21 +165,11 @@ def reference_mismatches(policy: list[Actor], engines, dims, tp: int) -> list[st
     load, never the refit's mapping."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from nemo_dcr.types import int_view
-
-    from .vllm_standin import StandinModel
+    from .vllm_standin import reference_mismatches_of
 
     with ThreadPoolExecutor(len(policy)) as ex:
         state = list(ex.map(lambda p: p.hf_state(), policy))[0]
-    out = []
-    for d, engine in enumerate(engines):
-        for w in engine:
-            ref = StandinModel(dims, tp, w.rank)
-            ref.load_weights(state.items())
-            live = dict(w.model_runner.model.named_parameters())
-            out += [f"dp{d}/tp{w.rank}:{n}" for n, p in ref.named_parameters()
-                    if not torch.equal(int_view(p.data), int_view(live[n].data))]
-    return out
+    return reference_mismatches_of(state, engines, dims, tp)
 
 
 def cpu_seconds() -> float:

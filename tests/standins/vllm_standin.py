@@ -251,6 +251,23 @@ class StandinModel(nn.Module):
         return loaded
 
 
+def reference_mismatches_of(state: dict, engines, dims: StandinDims, tp: int) -> list[str]:
+    """Params of each vLLM stand-in worker (``engines``: replicas, each a list of TP workers)
+    whose bits differ from a fresh :class:`StandinModel` of ``dims`` loaded, through its own
+    ``load_weights``, with the dense HF ``state``: vLLM's own full load, never the refit's mapping."""
+    from nemo_dcr.types import int_view
+
+    out = []
+    for d, engine in enumerate(engines):
+        for w in engine:
+            ref = StandinModel(dims, tp, w.rank)
+            ref.load_weights(state.items())
+            live = dict(w.model_runner.model.named_parameters())
+            out += [f"dp{d}/tp{w.rank}:{n}" for n, p in ref.named_parameters()
+                    if not torch.equal(int_view(p.data), int_view(live[n].data))]
+    return out
+
+
 class StandinTruthModel(StandinModel):
     """:class:`StandinModel` plus the loader patterns that defeat a naive probe (a stand-in, not vLLM):
 

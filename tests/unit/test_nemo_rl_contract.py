@@ -29,7 +29,7 @@ from nemo_dcr.types import int_view
 from tests.report_reader import check_phases_shown
 from tests.standins.nemo_rl_standin import (SKIPPED, PolicyWorker, Synchronizer, busy, initial_state, train_step,
                                             vllm_engines)
-from tests.standins.vllm_standin import StandinDims, StandinModel
+from tests.standins.vllm_standin import StandinDims, reference_mismatches_of
 
 D = StandinDims(hidden=32, heads=4, kv_heads=1, head_dim=8, ffn=64, vocab=100, pad_to=64, experts=4, moe_ffn=32)
 TP, POLICY = 2, 2
@@ -45,15 +45,7 @@ def refit_cfg(tmp_path) -> dict:
 
 def mismatches(state: dict, engines) -> list[str]:
     """Params of each vLLM worker whose bits differ from a fresh model loaded with ``state``."""
-    out = []
-    for d, engine in enumerate(engines):
-        for w in engine:
-            ref = StandinModel(D, TP, w.rank)
-            ref.load_weights(state.items())
-            live = dict(w.model_runner.model.named_parameters())
-            out += [f"dp{d}/tp{w.rank}:{n}" for n, p in ref.named_parameters()
-                    if not torch.equal(int_view(p.data), int_view(live[n].data))]
-    return out
+    return reference_mismatches_of(state, engines, D, TP)
 
 
 def versions(engines) -> list[int]:
