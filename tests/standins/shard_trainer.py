@@ -106,3 +106,47 @@ class ShardTrainer:
             self.params[n].copy_(m.to(torch.bfloat16))
         self.opt.load_state_dict(state["opt"])
         self.step_no = state["step"]
+
+
+@dataclass
+class StoreJob:
+    """A stand-in trainer refitting a :class:`~nemo_dcr.apply.TensorEngine` served by an
+    :class:`~nemo_dcr.refit.EngineServer` on its own thread, over the store transport at ``url``
+    (trainer rank 0, engine rank 1), as across clusters: :func:`store_job`."""
+
+    trainer: ShardTrainer
+    engine: object
+    server: object
+    refit: object
+
+
+def store_job(url: str, cfg, key: bytes, run: str, shapes: Mapping[str, tuple[int, ...]]):
+    """Context manager yielding a :class:`StoreJob`; on exit the refit is closed, the server
+    told to stop, and its thread must have ended."""
+    import contextlib
+    import threading
+
+    from nemo_dcr.apply import TensorEngine
+    from nemo_dcr.refit import DeltaRefit, EngineServer
+    from nemo_dcr.refit.group import LocalGroup
+    from nemo_dcr.refit.wiring import engine_wiring
+    from nemo_dcr.transport import Envelope, MessageKind, StoreTransport
+
+    @contextlib.contextmanager
+    def job():
+        trainer = ShardTrainer(dict(shapes), 0, 1, lr=2e-4)
+        engine = TensorEngine({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}, key=key)
+        server = EngineServer(engine, StoreTransport(url, 1, key, run=run), senders=[0])
+        thread = threading.Thread(target=server.serve, daemon=True)
+        thread.start()
+        refit = DeltaRefit(cfg, trainer, engine_wiring(StoreTransport(url, 0, key, run=run), [0], [1], LocalGroup()),
+                           key=key)
+        try:
+            yield StoreJob(trainer, engine, server, refit)
+        finally:
+            refit.close(5)
+            refit.wiring.transport.send(1, Envelope(MessageKind.STOP, 0, 0))
+            thread.join(10)
+        assert not thread.is_alive()
+
+    return job()

@@ -4,21 +4,16 @@ half-written delivered, no temp file left, and the refit recovers once the space
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import pytest
 import torch
 
-from nemo_dcr.apply import TensorEngine
 from nemo_dcr.config import DcrConfig
-from nemo_dcr.refit import DeltaRefit, EngineServer
-from nemo_dcr.refit.group import LocalGroup
-from nemo_dcr.refit.wiring import engine_wiring
 from nemo_dcr.tools.chaos.disk import ScarceFolder, can_exhaust
 from nemo_dcr.transport import Envelope, MessageKind, StoreTransport, TransportError
 from nemo_dcr.types import int_view
-from tests.standins.shard_trainer import ShardTrainer
+from tests.standins.shard_trainer import store_job
 
 KEY = b"d" * 32
 WHY = r"No space left on device|Permission denied"
@@ -56,14 +51,8 @@ def test_the_refit_fails_clearly_on_a_full_store_and_recovers_when_space_returns
     shapes = {"a.weight": (48, 32), "norm.weight": (32,)}
     url = f"file://{scarce.path}"
     cfg = DcrConfig(transport="store", url=url, key_file="unused", reply_timeout_s=10, verify="full")
-    trainer = ShardTrainer(shapes, 0, 1, lr=2e-4)
-    engine = TensorEngine({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}, key=KEY)
-    server = EngineServer(engine, StoreTransport(url, 1, KEY, run="job"), senders=[0])
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    refit = DeltaRefit(cfg, trainer, engine_wiring(StoreTransport(url, 0, KEY, run="job"), [0], [1], LocalGroup()),
-                       key=KEY)
-    try:
+    with store_job(url, cfg, KEY, "job", shapes) as job:
+        trainer, engine, refit = job.trainer, job.engine, job.refit
         assert refit.attach().committed
         held = {n: t.clone() for n, t in engine.tensors.items()}
         scarce.exhaust()
@@ -82,8 +71,3 @@ def test_the_refit_fails_clearly_on_a_full_store_and_recovers_when_space_returns
         trainer.step()
         r = refit.step()
         assert r.committed and r.mode == "delta" and not r.detected
-    finally:
-        refit.close(5)
-        refit.wiring.transport.send(1, Envelope(MessageKind.STOP, 0, 0))
-        thread.join(10)
-    assert not thread.is_alive()

@@ -264,37 +264,20 @@ def test_store_key_rule_is_the_key_file_rule():
 
 def test_refit_path_over_the_store_transport(tmp_path):
     """DeltaRefit -> store -> an EngineServer on its own endpoint (rank 1), as across clusters."""
-    import threading
-
     import torch
 
-    from nemo_dcr.apply import TensorEngine
     from nemo_dcr.config import DcrConfig
-    from nemo_dcr.refit import DeltaRefit, EngineServer
-    from nemo_dcr.refit.group import LocalGroup
-    from nemo_dcr.refit.wiring import engine_wiring
     from nemo_dcr.types import int_view
-    from tests.standins.shard_trainer import ShardTrainer
+    from tests.standins.shard_trainer import store_job
 
     shapes = {"a.weight": (48, 32), "norm.weight": (32,)}
     url = f"file://{tmp_path}/box"
     cfg = DcrConfig(transport="store", url=url, key_file="unused", reply_timeout_s=20)
-    trainer = ShardTrainer(shapes, 0, 1, lr=2e-4)
-    engine = TensorEngine({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}, key=KEY)
-    server = EngineServer(engine, StoreTransport(url, 1, KEY, run="job-7"), senders=[0])
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    refit = DeltaRefit(cfg, trainer, engine_wiring(StoreTransport(url, 0, KEY, run="job-7"), [0], [1], LocalGroup()),
-                       key=KEY)
-    try:
-        assert refit.attach().committed
+    with store_job(url, cfg, KEY, "job-7", shapes) as job:
+        assert job.refit.attach().committed
         for _ in range(2):
-            trainer.step()
-            r = refit.step()
+            job.trainer.step()
+            r = job.refit.step()
             assert r.committed and r.verified
-        assert all(torch.equal(int_view(engine.tensors[n]), int_view(p)) for n, p in trainer.params.items())
-    finally:
-        refit.close(5)
-        refit.wiring.transport.send(1, Envelope(MessageKind.STOP, 0, 0))
-        thread.join(10)
-    assert not thread.is_alive() and server.stats.committed == 3
+        assert all(torch.equal(int_view(job.engine.tensors[n]), int_view(p)) for n, p in job.trainer.params.items())
+    assert job.server.stats.committed == 3
