@@ -1,7 +1,7 @@
 """Per-core refit cost against a NeMo-RL-style sparse refit, on one real step, in one run.
 
 Usage:
-    python benchmarks/peer.py RUN [--pair A B] [--reps N] [--threads T] [--json OUT]
+    python benchmarks/peer.py RUN [--pair A B] [--reps N] [--threads T] [--dcr-threads W] [--json OUT]
 
 RUN holds ``step_0 .. step_K`` from ``nemo-dcr make-deltas``.  The trainer's live tensors move
 ``A -> B -> A ...`` (a real step and back), then between ``A`` and ``A`` with ``B``'s bits at a
@@ -18,10 +18,10 @@ random tenth of the changed elements; after every move each path refits its engi
 
 Every time is CPU time of this process (``time.process_time``) on one core (torch and numba on
 ``--threads`` threads, default 1), the best of ``--reps`` forward/back pairs; each engine copy is
-checked bit-exact against the trainer after every refit.  ``--threads`` is also the project's
-paths' ``dcr.threads`` (worker threads over a part's records on both sides); their wall seconds
-are printed too (``send_wall``, ``receive_wall``, ``total_wall``), since with several threads CPU
-time sums over them.  Prints one JSON object: per-phase
+checked bit-exact against the trainer after every refit.  ``--dcr-threads`` is the project's
+paths' ``dcr.threads`` (worker threads over a part's records on both sides, default 1); their
+wall seconds are printed too (``send_wall``, ``receive_wall``, ``total_wall``), since with
+several threads CPU time sums over them.  Prints one JSON object: per-phase
 seconds, send/receive/total, bytes per changed element, the ratios against the NeMo-RL-style
 path measured in the same run, and the ratio of a step's cost to its tenth's.  The per-phase
 ns per change of the project's own path are in ``--phases`` (:mod:`peer_phases`).
@@ -119,7 +119,8 @@ class DcrPath:
         t, w = clock.seconds, clock.wall
         return {**t, "send": t["capture"] + t["encode"] + t["commit"], "receive": t["prepare"] + t["engine_commit"],
                 "send_wall": w["capture"] + w["encode"] + w["commit"],
-                "receive_wall": w["prepare"] + w["engine_commit"], "bytes": sum(map(len, parts)), "probed": clock.probed}
+                "receive_wall": w["prepare"] + w["engine_commit"], "bytes": sum(map(len, parts)),
+                "probed": clock.probed}
 
     def live(self) -> dict[str, torch.Tensor]:
         return self.engine.params
@@ -212,7 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("run")
     p.add_argument("--pair", nargs=2, type=int, default=(1, 2))
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch and numba threads")
+    p.add_argument("--dcr-threads", type=int, default=1, help="dcr.threads of the project's paths")
     p.add_argument("--json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -224,9 +226,10 @@ def main(argv=None) -> int:
     deltas = deltas_of(pair)
     tenth = subsample(deltas, 0.1)
     numel = sum(t.numel() for t in base.values())
-    paths = {"dcr": DcrPath(base, "dcr", args.threads), "reference": DcrPath(base, "reference", args.threads),
+    paths = {"dcr": DcrPath(base, "dcr", args.dcr_threads), "reference": DcrPath(base, "reference", args.dcr_threads),
              "nemo_rl_style": PeerPath(base)}
-    out = {"run": args.run, "pair": list(args.pair), "threads": args.threads, "numel": numel}
+    out = {"run": args.run, "pair": list(args.pair), "threads": args.threads, "dcr_threads": args.dcr_threads,
+           "numel": numel}
     for label, ds in (("step", deltas), ("tenth", tenth)):
         changed = sum(d.nnz for d in ds)
         res = measure(paths, base, _state(base, ds), args.reps)

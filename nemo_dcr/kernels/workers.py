@@ -25,6 +25,9 @@ MIN_PARALLEL_CHANGES = 1 << 16
 """A part with fewer changes than this stays on the calling thread (the pool's hand-over costs
 more than the kernels' work)."""
 
+CHUNKS_PER_THREAD = 4
+"""Runs of records per worker thread in one :func:`map_records` (balance against hand-overs)."""
+
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 _IN_WORKER = threading.local()
@@ -52,11 +55,12 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return _POOLS[threads]
 
 
-def _run(ctx: contextvars.Context, fn: Callable[[T], R], item: T) -> tuple[R, HostDeviceBytes]:
+def _run(ctx: contextvars.Context, fn: Callable[[T], R], chunk: Sequence[T]) -> tuple[list[R], HostDeviceBytes]:
+    """``fn`` over a chunk of items in order (stopping at the first error), in ``ctx``."""
     def counted():
         _IN_WORKER.on = True
         with measure() as crossed:
-            return fn(item), crossed
+            return [fn(x) for x in chunk], crossed
     return ctx.run(counted)
 
 
@@ -66,23 +70,38 @@ def parallel(items: Sequence[T], threads: int, changes: Callable[[T], int] | Non
             (changes is None or sum(changes(x) for x in items) >= MIN_PARALLEL_CHANGES))
 
 
+def _chunks(items: Sequence[T], pieces: int, changes: Callable[[T], int] | None) -> list[Sequence[T]]:
+    """``items`` cut into at most ``pieces`` consecutive runs of about equal changes (one hand-over
+    per run, not per item)."""
+    weights = [max(1, changes(x)) if changes is not None else 1 for x in items]
+    total, out, start, acc = sum(weights), [], 0, 0
+    for i, w in enumerate(weights):
+        acc += w
+        if acc * pieces >= total * (len(out) + 1) or i == len(items) - 1:
+            out.append(items[start : i + 1])
+            start = i + 1
+    return out
+
+
 def map_records(fn: Callable[[T], R], items: Sequence[T], threads: int,
                 changes: Callable[[T], int] | None = None) -> list[R]:
     """``[fn(x) for x in items]``, on up to ``threads`` worker threads when there are several
     items and, with ``changes`` (changes per item), at least :data:`MIN_PARALLEL_CHANGES` of them;
-    else (and inside a worker) on the calling thread.  Results in item order; an exception is the first failing item's
-    (in item order), raised once no item is running any more."""
+    else (and inside a worker) on the calling thread.  The items go out in consecutive runs of
+    about equal changes (:data:`CHUNKS_PER_THREAD` per thread).  Results in item order; an
+    exception is the first failing item's (in item order), raised once no item runs any more."""
     items = list(items)
     if not parallel(items, threads, changes):
         return [fn(x) for x in items]
     pool = _pool(threads)
-    futures = [pool.submit(_run, contextvars.copy_context(), fn, x) for x in items]
+    futures = [pool.submit(_run, contextvars.copy_context(), fn, c)
+               for c in _chunks(items, threads * CHUNKS_PER_THREAD, changes)]
     out = []
     try:
         for f in futures:
-            result, crossed = f.result()
+            results, crossed = f.result()
             _count(crossed.to_host, crossed.to_device)
-            out.append(result)
+            out += results
     except BaseException:
         for f in futures:
             f.cancel()
