@@ -1,7 +1,7 @@
 """Per-core refit cost against a NeMo-RL-style sparse refit, on one real step, in one run.
 
 Usage:
-    python benchmarks/peer.py RUN [--pair A B] [--reps N] [--threads T] [--json OUT]
+    python benchmarks/peer.py RUN [--pair A B] [--reps N] [--threads T] [--dcr-threads W] [--json OUT]
 
 RUN holds ``step_0 .. step_K`` from ``nemo-dcr make-deltas``.  The trainer's live tensors move
 ``A -> B -> A ...`` (a real step and back), then between ``A`` and ``A`` with ``B``'s bits at a
@@ -18,7 +18,10 @@ random tenth of the changed elements; after every move each path refits its engi
 
 Every time is CPU time of this process (``time.process_time``) on one core (torch and numba on
 ``--threads`` threads, default 1), the best of ``--reps`` forward/back pairs; each engine copy is
-checked bit-exact against the trainer after every refit.  Prints one JSON object: per-phase
+checked bit-exact against the trainer after every refit.  ``--dcr-threads`` is the project's
+paths' ``dcr.threads`` (worker threads over a part's records on both sides, default 1); their
+wall seconds are printed too (``send_wall``, ``receive_wall``, ``total_wall``), since with
+several threads CPU time sums over them.  Prints one JSON object: per-phase
 seconds, send/receive/total, bytes per changed element, the ratios against the NeMo-RL-style
 path measured in the same run, and the ratio of a step's cost to its tenth's.  The per-phase
 ns per change of the project's own path are in ``--phases`` (:mod:`peer_phases`).
@@ -57,14 +60,15 @@ class _Clock:
     """CPU seconds per phase; with a probe, its probed calls' seconds per phase too."""
 
     def __init__(self, probe=None):
-        self.probe, self.seconds, self.probed = probe, {}, {}
+        self.probe, self.seconds, self.wall, self.probed = probe, {}, {}, {}
 
     def __call__(self, phase: str, fn):
         if self.probe is not None:
             self.probe.reset()
-        t0 = time.process_time()
+        w0, t0 = time.perf_counter(), time.process_time()
         out = fn()
         self.seconds[phase] = time.process_time() - t0
+        self.wall[phase] = time.perf_counter() - w0
         if self.probe is not None:
             self.probed[phase] = {k: v for k, v in self.probe.seconds.items() if v}
         return out
@@ -73,14 +77,15 @@ class _Clock:
 class DcrPath:
     """The project's refit on one rank: trainer baseline and mirror, and a :class:`TensorEngine`."""
 
-    def __init__(self, base: dict[str, torch.Tensor], encoding: str):
-        self.encoding = encoding
+    def __init__(self, base: dict[str, torch.Tensor], encoding: str, threads: int = 1):
+        self.encoding, self.threads = encoding, threads
         self.store = BaselineStore("pinned")
         for n, t in base.items():
             self.store.register(n, t)
         self.mirror = SenderMirror({n: (spec_of(t.dtype).name, tuple(t.shape)) for n, t in base.items()})
         self.mirror.reset(base, 0)
-        self.engine = TensorEngine({n: t.clone() for n, t in base.items()}, keep_index=encoding == "dcr")
+        self.engine = TensorEngine({n: t.clone() for n, t in base.items()}, keep_index=encoding == "dcr",
+                                   threads=threads)
         if encoding == "dcr":
             self.mirror.build_indexes()
             self.engine.build_indexes()
@@ -97,23 +102,25 @@ class DcrPath:
             current = checksums_after(self.checksums, deltas)
             owned = self.mirror.changes(deltas)
             ident = Identity(base_version=v - 1, target_version=v)
-            return current, self.mirror.encode(owned, ident, self.encoding, None, MAX_CHANGES)
+            return current, self.mirror.encode(owned, ident, self.encoding, None, MAX_CHANGES, self.threads)
 
         current, parts = clock("encode", encode)
         clock("prepare", lambda: self.engine.prepare({0: parts}))
         clock("engine_commit", self.engine.commit)
 
         def commit():
-            self.mirror.commit(v)
+            self.mirror.commit(v, self.threads)
             self.store.commit(v)
             if self.engine.checksums().canonical != current:
                 raise AssertionError("trainer and engine checksums differ")
 
         clock("commit", commit)
         self.checksums, self.version = current, v
-        t = clock.seconds
+        t, w = clock.seconds, clock.wall
         return {**t, "send": t["capture"] + t["encode"] + t["commit"], "receive": t["prepare"] + t["engine_commit"],
-                "bytes": sum(map(len, parts)), "probed": clock.probed}
+                "send_wall": w["capture"] + w["encode"] + w["commit"],
+                "receive_wall": w["prepare"] + w["engine_commit"], "bytes": sum(map(len, parts)),
+                "probed": clock.probed}
 
     def live(self) -> dict[str, torch.Tensor]:
         return self.engine.params
@@ -171,6 +178,8 @@ def measure(paths: dict, base: dict, target: dict, reps: int) -> dict:
         top = min(rs, key=lambda r: r["send"] + r["receive"])
         top.pop("probed", None)
         out[k] = {**top, "total": top["send"] + top["receive"], "bit_exact": exact[k]}
+        if "send_wall" in top:
+            out[k]["total_wall"] = top["send_wall"] + top["receive_wall"]
     return out
 
 
@@ -204,7 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("run")
     p.add_argument("--pair", nargs=2, type=int, default=(1, 2))
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch and numba threads")
+    p.add_argument("--dcr-threads", type=int, default=1, help="dcr.threads of the project's paths")
     p.add_argument("--json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -216,8 +226,10 @@ def main(argv=None) -> int:
     deltas = deltas_of(pair)
     tenth = subsample(deltas, 0.1)
     numel = sum(t.numel() for t in base.values())
-    paths = {"dcr": DcrPath(base, "dcr"), "reference": DcrPath(base, "reference"), "nemo_rl_style": PeerPath(base)}
-    out = {"run": args.run, "pair": list(args.pair), "threads": args.threads, "numel": numel}
+    paths = {"dcr": DcrPath(base, "dcr", args.dcr_threads), "reference": DcrPath(base, "reference", args.dcr_threads),
+             "nemo_rl_style": PeerPath(base)}
+    out = {"run": args.run, "pair": list(args.pair), "threads": args.threads, "dcr_threads": args.dcr_threads,
+           "numel": numel}
     for label, ds in (("step", deltas), ("tenth", tenth)):
         changed = sum(d.nnz for d in ds)
         res = measure(paths, base, _state(base, ds), args.reps)

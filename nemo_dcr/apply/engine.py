@@ -27,6 +27,7 @@ import torch
 
 from nemo_dcr.codec import DcrIndexes
 from nemo_dcr.kernels.traffic import host_bits
+from nemo_dcr.kernels.workers import resolve_threads
 from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.sample import Sample
 
@@ -58,11 +59,15 @@ class TensorEngine:
         fills: constants the engine's loaders write into params (``{param: [(positions, values)]}``,
             vocab padding); after a resync those outside every view are written into the resynced
             params in the same transaction, so a resync ends bit-identical to a fresh load.
+        threads: worker threads over the records of a part (``dcr.threads``: a positive int, or
+            ``auto``: the cores this process may run on); decode, write, read-back and the index
+            update, with the same state and errors as one thread.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = 0, key: bytes | None = None,
                  keep_index: bool = True, undo_limit_bytes: int = UNDO_MEMORY_BYTES, spill_dir: str | None = None,
-                 *, placement: RankPlacement | None = None, fills: Fills | None = None):
+                 *, placement: RankPlacement | None = None, fills: Fills | None = None,
+                 threads: int | str = "auto"):
         self.params = dict(tensors)
         self.placed = dict(placement or {})
         self.tensors = self.params if placement is None else {
@@ -71,6 +76,7 @@ class TensorEngine:
         self.key = key
         self.indexes = DcrIndexes() if keep_index else None
         self.undo = UndoSettings(undo_limit_bytes, spill_dir)
+        self.threads = resolve_threads(threads, processes=1)
         self.guard = VersionGuard(version)
         self.sums = HeldSums(self.tensors, self.placed)
         self.fault: FaultHook | None = None
@@ -108,7 +114,7 @@ class TensorEngine:
                                           self.check)
             else:
                 prepared = prepare_parts(self.tensors, mine, self.version, self.sums.views, self.key, self.fault,
-                                         self.indexes, self.undo, self.check)
+                                         self.indexes, self.undo, self.check, self.threads)
             fills = self._write_fills(prepared) if resync else None
         except BaseException:
             hold.close()
@@ -154,7 +160,7 @@ class TensorEngine:
                     self.indexes.drop(prepared.result.touched)
                     self.build_indexes(prepared.result.touched)
                 else:
-                    self.indexes.update(prepared.result.deltas)
+                    self.indexes.update(prepared.result.deltas, self.threads)
         return prepared.result
 
     def rollback(self) -> ApplyResult:

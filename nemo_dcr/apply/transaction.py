@@ -34,8 +34,9 @@ import torch
 
 from nemo_dcr.codec import DcrIndexes, decode, inspect
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
-from nemo_dcr.kernels import read_bits, unequal_at
+from nemo_dcr.kernels import read_bits, unequal_at, write_bits
 from nemo_dcr.kernels.traffic import HostDeviceBytes, device_path, measure, to_device, to_host
+from nemo_dcr.kernels.workers import map_records, parallel
 from nemo_dcr.types import SparseDelta, carrier, int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
 
@@ -176,18 +177,20 @@ def _transact(writes: Callable[[UndoLog], dict[str, int]],
 def apply_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                 checksums: Mapping[str, int], key: bytes | None = None,
                 fault: FaultHook | None = None, indexes: DcrIndexes | None = None,
-                undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None) -> ApplyResult:
+                undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None,
+                threads: int = 1) -> ApplyResult:
     """Apply all parts of one version as one transaction (see the module docstring).
 
     Same arguments and errors as :func:`prepare_parts`; commits at once (the undo log is dropped).
     """
-    return prepare_parts(tensors, parts, version, checksums, key, fault, indexes, undo, check).release()
+    return prepare_parts(tensors, parts, version, checksums, key, fault, indexes, undo, check, threads).release()
 
 
 def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], version: int,
                   checksums: Mapping[str, int], key: bytes | None = None,
                   fault: FaultHook | None = None, indexes: DcrIndexes | None = None,
-                  undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None) -> Prepared:
+                  undo: UndoSettings = UndoSettings(), check: PayloadCheck | None = None,
+                  threads: int = 1) -> Prepared:
     """Validate, write and verify one version, keeping the undo log (phases 1-3).
 
     Args:
@@ -201,6 +204,8 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
             updates them (the caller does, with ``result.deltas``, once it committed).
         undo: the undo log's memory bound and spill folder.
         check: engine-specific rules on the decoded changes (:data:`PayloadCheck`).
+        threads: worker threads over the records of a part (``dcr.threads``): decode, write and
+            read-back; the same state, refusals and messages as one thread.
 
     Raises:
         DeltaFormatError, VersionMismatchError, IncompletePartsError, or whatever ``check``
@@ -208,12 +213,12 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
         ApplyVerificationError, or whatever ``fault`` raises: rolled back exactly.
     """
     with measure() as crossed:
-        prepared = _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo, check)
+        prepared = _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo, check, threads)
     return replace(prepared, result=replace(prepared.result, host_device=crossed))
 
 
-def _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo, check) -> Prepared:
-    decoded = [decode(p, Bases(tensors), key, checksums, indexes) for p in parts]
+def _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo, check, threads) -> Prepared:
+    decoded = [decode(p, Bases(tensors), key, checksums, indexes, threads) for p in parts]
     target = _check_versions([d.header for d in decoded], version, resync=False)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]
@@ -222,8 +227,8 @@ def _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo
     new_ck = {d.name: int(records[d.name].target_checksum, 16) for d in deltas}
 
     def writes(undo: UndoLog) -> dict[str, int]:
-        written = write_deltas(undo, tensors, deltas, fault)
-        verify_written(written)
+        written = write_deltas(undo, tensors, deltas, fault, threads)
+        verify_written(written, threads)
         return {d.name: d.nnz for d, _, _ in written}
 
     touched, log = _transact(writes, undo)
@@ -236,38 +241,64 @@ Written = list[tuple[SparseDelta, torch.Tensor, torch.Tensor]]
 
 
 def write_deltas(undo: UndoLog, tensors: Mapping[str, Live], deltas: Sequence[SparseDelta],
-                 fault: FaultHook | None = None) -> Written:
+                 fault: FaultHook | None = None, threads: int = 1) -> Written:
     """Phase 2: each delta's new bits into its live tensor, its decoded old bits (what the tensor
-    held there when it was validated) into the undo log first; ``fault`` after each tensor."""
-    written = []
-    for d in deltas:
-        if not d.nnz:
-            continue
-        view, pos = _target(tensors[d.name], d.positions)
-        undo.scatter(view, pos, d.new_bits, d.old_bits)
-        written.append((d, view, pos))
+    held there when it was validated) into the undo log first; ``fault`` after each tensor.
+
+    With ``threads`` > 1 and a part large enough (:func:`~nemo_dcr.kernels.workers.parallel`)
+    worker threads locate the positions; when no two tensors share memory, every delta's old bits
+    are then logged first, in order, and the workers write the tensors; a failure in any of them
+    rolls back all of it and reports like one thread.  Tensors that share memory (views of one
+    fused param, tied weights) are written in order on this thread, as with one thread."""
+    deltas = [d for d in deltas if d.nnz]
+    targets = map_records(lambda d: _target(tensors[d.name], d.positions), deltas, threads, _nnz)
+    written = [(d, view, pos) for d, (view, pos) in zip(deltas, targets)]
+    shared = len({v.untyped_storage().data_ptr() for _, v, _ in written}) < len(written)
+    if shared or not parallel(deltas, threads, _nnz):
+        for d, view, pos in written:
+            undo.scatter(view, pos, d.new_bits, d.old_bits)
+            if fault is not None:
+                fault(d.name)
+        return written
+    for d, view, pos in written:
+        undo.save(view, pos, d.old_bits)
+
+    def write(w) -> None:
+        d, view, pos = w
+        write_bits(view, pos, d.new_bits)
         if fault is not None:
             fault(d.name)
+
+    map_records(write, written, threads, lambda w: w[0].nnz)
     return written
 
 
-def verify_written(written: Written) -> None:
+def _nnz(d: SparseDelta) -> int:
+    return d.nnz
+
+
+def verify_written(written: Written, threads: int = 1) -> None:
     """Phase 3: every written element is read back after all writes and must hold its new bits.
 
     The new bits' incremental checksum ``C - sum h(i, old) + sum h(i, new)`` matched the record's
     target checksum in phase 1, so a tensor whose written elements read back equal holds the
     target checksum (an element-wise comparison: stronger than comparing the sums).
 
+    ``threads``: worker threads over the tensors; the error is the first failing tensor's, as with one.
+
     Raises:
         ApplyVerificationError: an element does not hold what was written (another write, a
             device fault, an aliased tensor); the caller rolls back.
     """
-    for d, view, pos in written:
+    def check(w) -> None:
+        d, view, pos = w
         bad = unequal_at(view, pos, d.new_bits)
         if bad >= 0:
             got = int(read_bits(view, pos[bad : bad + 1])[0]) & ((1 << (8 * view.element_size())) - 1)
             raise ApplyVerificationError(f"{d.name}: element {int(d.positions[bad])} reads back {got:#x} after the "
                                          f"write, the version writes {int(d.new_bits[bad]):#x}")
+
+    map_records(check, written, threads, lambda w: w[0].nnz)
 
 
 def _zero_base(tensors: Mapping[str, Live], parts: Sequence[bytes], key) -> dict[str, torch.Tensor]:

@@ -62,6 +62,12 @@ class UndoLog:
             old: the bits ``view`` holds at ``pos`` when the caller read them already under the
                 same write guard (the transaction's decode did): kept instead of read again.
         """
+        self.save(view, pos, old)
+        write_bits(view, pos, new)
+
+    def save(self, view: torch.Tensor, pos: torch.Tensor, old: np.ndarray | None = None) -> None:
+        """What :meth:`scatter` saves before it writes (the bits ``view`` holds at ``pos``, or
+        ``old``); the caller writes ``pos`` after (worker threads do, for several tensors at once)."""
         nbytes = pos.numel() * view.element_size()
         if self.held_bytes + nbytes <= self.limit_bytes:
             self._entries.append(_Entry(view, pos, read_bits(view, pos) if old is None else np.ascontiguousarray(old)))
@@ -70,7 +76,6 @@ class UndoLog:
             pieces = (read_bits(view, pos[s : s + SPILL_PIECE]) if old is None else old[s : s + SPILL_PIECE]
                       for s in range(0, pos.numel(), SPILL_PIECE))
             self._entries.append(self._spill(view, pos, pieces, pos.numel()))
-        write_bits(view, pos, new)
 
     def overwrite(self, view: torch.Tensor, new: torch.Tensor) -> None:
         """``view[:] = new`` (flat) after saving the whole tensor."""

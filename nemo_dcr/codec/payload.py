@@ -16,6 +16,7 @@ import torch
 
 from ..kernels import read_bits, write_bits
 from ..kernels.traffic import on_host, to_host
+from ..kernels.workers import map_records
 from ..types import DeltaInputError, SparseDelta, UnsupportedDtypeError, bits_view, spec_of
 from ..verify.checksum import tensor_checksum, updated_checksum
 from .auth import MIN_KEY_BYTES
@@ -86,6 +87,11 @@ def _flat_bits(t: torch.Tensor) -> np.ndarray:
     return bits_view(to_host(t.detach()).contiguous())
 
 
+def _changes(x: SparseDelta | tuple[RecordInfo, memoryview]) -> int:
+    """Changed elements of a delta or a (record, body) pair: what a record costs a worker."""
+    return x.nnz if isinstance(x, SparseDelta) else x[0].changed
+
+
 def _base_of(base: Mapping[str, np.ndarray], d: SparseDelta) -> np.ndarray:
     """The receiver's flat bits of ``d``'s tensor, refused unless they match ``d``'s dtype and size."""
     if d.name not in base:
@@ -107,6 +113,7 @@ def encode_deltas(
     key: bytes | None = None,
     base_checksums: Mapping[str, int] | None = None,
     indexes: DcrIndexes | None = None,
+    threads: int = 1,
 ) -> bytes:
     """Encode change sets against the receiver's base bits.
 
@@ -120,11 +127,13 @@ def encode_deltas(
         indexes: kept ``dcr`` class indexes of the base tensors (the sender's; built on first
             use, rebuilt when stale).  The owner updates them from each acknowledged delta
             (:meth:`DcrIndexes.update`); without them every ``dcr`` record ranks its whole base.
+        threads: worker threads over the records (``dcr.threads``; :func:`~nemo_dcr.kernels.workers.map_records`):
+            the same bytes as one thread.
     """
     _check_key(key)
     check_identity(identity.model, identity.run)
-    infos, bodies = [], []
-    for d in deltas:
+
+    def record(d: SparseDelta) -> tuple[RecordInfo, bytes]:
         spec, bits = spec_of(d.validate().dtype), _base_of(base, d)
         base_ck = (base_checksums or {}).get(d.name)
         base_ck = tensor_checksum(bits) if base_ck is None else base_ck
@@ -133,9 +142,13 @@ def encode_deltas(
             else None
         enc, body, params = encode_record(encoding, bits, d.positions, d.new_bits, spec, index, old)
         target_ck = updated_checksum(base_ck, d.positions, old, d.new_bits)
-        infos.append(RecordInfo(d.name, d.dtype, tuple(int(s) for s in d.shape), d.numel, enc, d.nnz,
-                                len(body), _crc(body), _hex(base_ck), _hex(target_ck), params))
-        bodies.append(body)
+        return RecordInfo(d.name, d.dtype, tuple(int(s) for s in d.shape), d.numel, enc, d.nnz,
+                          len(body), _crc(body), _hex(base_ck), _hex(target_ck), params), body
+
+    if len({d.name for d in deltas}) < len(deltas):
+        threads = 1  # two records of one tensor share its kept index: in their order, on one thread
+    done = map_records(record, deltas, threads, _changes)
+    infos, bodies = [i for i, _ in done], [b for _, b in done]
     total = sum(int(r.base_checksum, 16) for r in infos) & ((1 << 64) - 1)
     header = PayloadHeader(identity.model, identity.run, identity.base_version, identity.target_version,
                            _hex(total), tuple(sorted({r.encoding for r in infos})), tuple(infos))
@@ -246,17 +259,21 @@ def _base_bits(r: RecordInfo, t: torch.Tensor, spec, have: int | None, kept) -> 
 
 
 def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
-           base_checksums: Mapping[str, int] | None = None, indexes: DcrIndexes | None = None) -> DecodedPayload:
+           base_checksums: Mapping[str, int] | None = None, indexes: DcrIndexes | None = None,
+           threads: int = 1) -> DecodedPayload:
     """Validate a payload against the receiver's tensors and decode it; writes nothing.
 
     ``indexes``: kept ``dcr`` class indexes of the receiver's tensors (built on first use,
     rebuilt when stale); the owner updates them after a committed apply
     (:meth:`DcrIndexes.update`) and never after a rolled-back one.  A device tensor with a known
     checksum is read only where the record changes it, when the record allows (:func:`_base_bits`).
+    ``threads``: worker threads over the records (``dcr.threads``): the same result and the same
+    first error as one thread.
     """
     header, bodies = _split(payload, key, base)
-    deltas = []
-    for r, body in zip(header.records, bodies):
+
+    def record(rb: tuple[RecordInfo, memoryview]) -> SparseDelta:
+        r, body = rb
         t, spec = _check_against(r, base)
         have = (base_checksums or {}).get(r.name)
         kept = indexes.kept(r.name, t.numel(), spec, have) if indexes is not None and have is not None else None
@@ -272,8 +289,9 @@ def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
             raise MalformedRecordError(f"decoded {pos.size} changes ({noops} no-ops), header says {r.changed}", r.name)
         if updated_checksum(have, pos, old, new) != int(r.target_checksum, 16):
             raise TargetChecksumMismatchError("decoded tensor would not match the target checksum", r.name)
-        deltas.append(SparseDelta(r.name, r.dtype, r.shape, pos, new, old))
-    return DecodedPayload(header, tuple(deltas))
+        return SparseDelta(r.name, r.dtype, r.shape, pos, new, old)
+
+    return DecodedPayload(header, tuple(map_records(record, list(zip(header.records, bodies)), threads, _changes)))
 
 
 def apply(base: Mapping[str, torch.Tensor], payload, key: bytes | None = None,

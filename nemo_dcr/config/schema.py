@@ -68,7 +68,16 @@ def _typed(key: str, value, hint):
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(hint):
             return None
-        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        kinds = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(kinds) > 1:  # ``int | str``: the first kind the value is
+            for kind in kinds:
+                try:
+                    return _typed(key, value, kind)
+                except ConfigError:
+                    pass
+            raise ConfigError(key, f"must be {' or '.join(k.__name__ for k in kinds)}, got "
+                                   f"{type(value).__name__} {value!r}")
+        (hint,) = kinds
     if typing.get_origin(hint) is list:
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise ConfigError(key, f"must be a list, got {type(value).__name__} {value!r}")
@@ -170,6 +179,13 @@ class DcrConfig:
     fanout_roots: str = "view"
     """``relay``: one relay root per engine view (``view``: the slow link carries each view once)
     or per view and node (``node``: no relay crosses between rollout nodes)."""
+    threads: int | str = "auto"
+    """Worker threads over the records (tensors) of a payload part, on both sides of the host path:
+    the sender's encode and commit, the engine's decode, write, read-back check and index update
+    (the compiled kernels release the GIL).  A positive int, or ``auto``: the cores the process may
+    run on divided by the processes of its host that share them (``LOCAL_WORLD_SIZE``, as under
+    torchrun; an engine counts as one), at least 1.  Payload bytes, engine state and errors are
+    those of one thread; a part with few changes stays on the calling thread."""
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, object], prefix: str = "dcr") -> DcrConfig:
@@ -217,6 +233,9 @@ class DcrConfig:
             raise ConfigError(f"{prefix}.bucket_size_mb", f"must be > 0, got {self.bucket_size_mb!r}")
         if not self.reply_timeout_s > 0:
             raise ConfigError(f"{prefix}.reply_timeout_s", f"must be > 0, got {self.reply_timeout_s!r}")
+        if self.threads != "auto" and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                       or self.threads < 1):
+            raise ConfigError(f"{prefix}.threads", f"must be a positive int or 'auto', got {self.threads!r}")
         self._validate_fp8(prefix)
 
     def _validate_fp8(self, prefix: str) -> None:

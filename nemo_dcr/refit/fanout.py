@@ -115,27 +115,28 @@ class Fanout:
         return out
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
-               max_changes: int) -> dict[object, list[bytes]]:
+               max_changes: int, threads: int = 1) -> dict[object, list[bytes]]:
         """Payload parts per engine shard (at least one each) for changes the mirror staged.  Shards
-        with the same views of the tensors they receive share one encoding."""
+        with the same views of the tensors they receive share one encoding (``threads``: worker
+        threads over each part's records)."""
         per_rank = self.split(deltas)
         out: dict[object, list[bytes]] = {}
         made: dict[tuple, list[bytes]] = {}
         for rank, ds in per_rank.items():
             signature = tuple(self._views[(rank, d.name)] for d in ds)
             if signature not in made:
-                made[signature] = self._encode_views(rank, ds, identity, encoding, key, max_changes)
+                made[signature] = self._encode_views(rank, ds, identity, encoding, key, max_changes, threads)
             out[rank] = made[signature]
         return out
 
     def _encode_views(self, rank, ds: Sequence[SparseDelta], identity: Identity, encoding: str,
-                      key: bytes | None, max_changes: int) -> list[bytes]:
+                      key: bytes | None, max_changes: int, threads: int = 1) -> list[bytes]:
         base = {d.name: self.view_bits(rank, d.name) for d in ds}
         cks = {d.name: self._checksum(rank, d.name) for d in ds}
         whole = all(self.whole(rank, d.name) for d in ds)
         indexes = self.mirror.indexes if whole else None  # a whole view is the mirror: its kept index
         groups = list(buckets(ds, max_changes)) or [[]]
-        return [encode_deltas(g, base, identity, encoding, key, cks, indexes) for g in groups]
+        return [encode_deltas(g, base, identity, encoding, key, cks, indexes, threads) for g in groups]
 
     def resync_payloads(self, names: Sequence[str], target: int, key: bytes | None, model: str = "",
                         run: str = "") -> dict[int, list[bytes]]:

@@ -156,17 +156,17 @@ class Fp8Mirror:
         return out
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
-               max_changes: int) -> list[bytes]:
+               max_changes: int, threads: int = 1) -> list[bytes]:
         """Payload parts for engine changes ``deltas`` (from :meth:`stage`) against the engine bits."""
-        return self.engine.encode(deltas, identity, encoding, key, max_changes)
+        return self.engine.encode(deltas, identity, encoding, key, max_changes, threads)
 
-    def commit(self, version: int) -> None:
+    def commit(self, version: int, threads: int = 1) -> None:
         """The engine acknowledged ``version``: the three parts move together."""
         if self._staged is not None and self._staged[0] == version:
             self.amax.update(self._staged[1])
         self._staged = None
-        self.canonical.commit(version)
-        self.engine.commit(version)
+        self.canonical.commit(version, threads)
+        self.engine.commit(version, threads)
 
     def settle(self, names: Sequence[str], version: int) -> None:
         """The engine holds the trainer-side state of canonical ``names`` at ``version`` (a resync)."""

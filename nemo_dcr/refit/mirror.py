@@ -77,11 +77,12 @@ class SenderMirror:
         return out
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
-               max_changes: int) -> list[bytes]:
-        """Payload parts (at least one, maybe without records) for ``deltas``; stages them."""
+               max_changes: int, threads: int = 1) -> list[bytes]:
+        """Payload parts (at least one, maybe without records) for ``deltas``; stages them
+        (``threads``: worker threads over each part's records, ``dcr.threads``)."""
         self.stage(deltas, identity.target_version)
         groups = list(buckets(deltas, max_changes)) or [[]]
-        return [encode_deltas(g, self.bits, identity, encoding, key, self.checksums, self.indexes)
+        return [encode_deltas(g, self.bits, identity, encoding, key, self.checksums, self.indexes, threads)
                 for g in groups]
 
     def stage(self, deltas: Sequence[SparseDelta], version: int) -> list[SparseDelta]:
@@ -111,9 +112,9 @@ class SenderMirror:
         """Checksums of the trainer-side bits (mirror plus staged changes)."""
         return checksums_after(self.checksums, self._staged[1] if self._staged else [])
 
-    def commit(self, version: int) -> None:
+    def commit(self, version: int, threads: int = 1) -> None:
         """The engine acknowledged ``version``: write the staged changes; the tensors' and their
-        partial views' checksums move by them."""
+        partial views' checksums move by them (``threads``: worker threads of the index update)."""
         if self._staged is not None and self._staged[0] == version:
             for d in self._staged[1]:
                 views = self._views.get(d.name, {})
@@ -121,7 +122,7 @@ class SenderMirror:
                     views[key] = (runs, checksum_after(c, view_delta(d, runs)))
                 write_bits(self.bits[d.name], d.positions, d.new_bits)
             self.checksums = checksums_after(self.checksums, self._staged[1])
-            self.indexes.update(self._staged[1])
+            self.indexes.update(self._staged[1], threads)
         self._staged = None
         self.version = version
 

@@ -22,6 +22,7 @@ from nemo_dcr.apply.placement import RankPlacement
 from nemo_dcr.codec import Identity, encode_deltas
 from nemo_dcr.codec.stats import layer_type
 from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.kernels.workers import resolve_threads
 from nemo_dcr.telemetry.phases import Phase, PhaseClock
 from nemo_dcr.transport import Envelope, MessageKind, Transport, TransportError, TransportTimeout
 from nemo_dcr.types import SparseDelta
@@ -147,6 +148,12 @@ class RefitSender:
                                                    if r == e))
 
     @property
+    def threads(self) -> int:
+        """Worker threads over a part's records (``dcr.threads``; ``auto``: this host's share of the
+        cores among its ``LOCAL_WORLD_SIZE`` trainer processes)."""
+        return resolve_threads(self.cfg.threads)
+
+    @property
     def max_changes_per_part(self) -> int:
         """Changed elements per payload part, from ``bucket_size_mb`` (bounds encode and transfer memory)."""
         return max(1, int(self.cfg.bucket_size_mb * (1 << 20)) // RAW_BYTES_PER_CHANGE)
@@ -163,9 +170,11 @@ class RefitSender:
         returns ``(engine changes, parts per (engine rank, shard))``."""
         sent = self.mirror.stage(owned, ident.target_version)
         if self._fanout is None:
-            parts = self.mirror.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
+            parts = self.mirror.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part,
+                                       self.threads)
             return sent, {(e, 0): parts for e in self.live}
-        return sent, self._fanout.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part)
+        return sent, self._fanout.encode(sent, ident, self.cfg.encoding, self.key, self.max_changes_per_part,
+                                         self.threads)
 
     def _reset(self, names: Sequence[str], version: int) -> None:
         self.mirror.settle(names, version)
@@ -436,7 +445,7 @@ class RefitSender:
                 return self._failed(version, "delta", changed, sent, clock)
             return self._recover(trainer_checksums, changed, sent, clock)
         with clock(Phase.VERIFY):
-            self.mirror.commit(version)
+            self.mirror.commit(version, self.threads)
             report = self._check(version, trainer_checksums, replies, full, sample, live)
         if not report.ok:
             self._detected.append("checksum mismatch: " + report.describe())

@@ -23,11 +23,13 @@ tables for ``E`` exponent classes (bf16/fp32: 2.28 bytes, fp16 2.03, fp8 2.02).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import numpy as np
 
+from ...kernels.workers import map_records
 from ...types import DtypeSpec, SparseDelta
 from ...verify.checksum import tensor_checksum, updated_checksum
 from . import jit_index as K
@@ -125,6 +127,7 @@ class DcrIndexes:
 
     def __init__(self):
         self._ix: dict[str, DcrIndex] = {}
+        self._lock = threading.Lock()  # worker threads (one record each) build and count
         self.builds = 0
         self.moves = 0
         self.failed = 0
@@ -134,8 +137,10 @@ class DcrIndexes:
         missing or when the kept one describes other bits."""
         ix = self._ix.get(name)
         if ix is None or ix.checksum != checksum or ix.n != bits.size or ix.spec != spec:
-            ix = self._ix[name] = DcrIndex.build(bits, spec, checksum)
-            self.builds += 1
+            ix = DcrIndex.build(bits, spec, checksum)
+            with self._lock:
+                self._ix[name] = ix
+                self.builds += 1
         return ix
 
     def kept(self, name: str, n: int, spec: DtypeSpec, checksum: int) -> DcrIndex | None:
@@ -144,21 +149,28 @@ class DcrIndexes:
         ix = self._ix.get(name)
         return ix if ix is not None and ix.checksum == checksum and ix.n == n and ix.spec == spec else None
 
-    def update(self, deltas: Iterable[SparseDelta]) -> None:
-        """Apply committed deltas (``old_bits`` set) to the indexes held; unknown names are skipped.
+    def update(self, deltas: Iterable[SparseDelta], threads: int = 1) -> None:
+        """Apply committed deltas (``old_bits`` set, one per tensor) to the indexes held; unknown
+        names are skipped.  ``threads``: worker threads over the tensors (``dcr.threads``).
 
         Never raises for an inconsistent index: that index is dropped (rebuilt on next use) and
         counted in :attr:`failed`, since the version it follows is already committed.
         """
-        for d in deltas:
-            ix = self._ix.get(d.name)
-            if ix is None or not d.nnz:
-                continue
+        def one(d: SparseDelta) -> int | None:
             try:
-                self.moves += ix.update(d.positions, d.old_bits, d.new_bits)
+                return self._ix[d.name].update(d.positions, d.old_bits, d.new_bits)
             except StaleIndexError:
+                return None
+
+        held = [d for d in deltas if d.nnz and d.name in self._ix]
+        if len({d.name for d in held}) < len(held):
+            threads = 1  # two deltas of one tensor: in their order, on one thread
+        for d, moved in zip(held, map_records(one, held, threads, lambda d: d.nnz)):
+            if moved is None:
                 del self._ix[d.name]
                 self.failed += 1
+            else:
+                self.moves += moved
 
     def drop(self, names: Iterable[str] | None = None) -> None:
         """Forget the indexes of ``names`` (all when None): their tensors were overwritten."""

@@ -47,10 +47,12 @@ class HFEngine:
         fp8_plan: hold the plan's FP8 weights quantized (a :class:`~nemo_dcr.quant.Fp8Plan` built
             from this model's parameter names and shapes; None: every parameter in ``dtype``).
         keep_index: keep ``dcr`` class indexes (``dcr.engine_index``, see :class:`~nemo_dcr.apply.TensorEngine`).
+        threads: worker threads over a part's records (``dcr.threads``, see :class:`~nemo_dcr.apply.TensorEngine`).
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, version: int = 0,
-                 key: bytes | None = None, fp8_plan: quant.Fp8Plan | None = None, keep_index: bool = True):
+                 key: bytes | None = None, fp8_plan: quant.Fp8Plan | None = None, keep_index: bool = True,
+                 threads: int | str = "auto"):
         self.model = model.to(dtype).eval()
         tensors = {n: p.data for n, p in self.model.named_parameters()}
         bad = [n for n, t in tensors.items() if not t.is_contiguous()]
@@ -62,7 +64,7 @@ class HFEngine:
         """The timings of the last :meth:`load_weights`."""
         if fp8_plan is not None:
             tensors = self._quantize(tensors, fp8_plan)
-        self.engine = TensorEngine(tensors, version, key, keep_index)
+        self.engine = TensorEngine(tensors, version, key, keep_index, threads=threads)
         if fp8_plan is not None:
             self.engine.check = quant.Fp8TransactionCheck(fp8_plan)
         self.engine.build_indexes()  # the first refit then decodes in proportion to its changes

@@ -130,7 +130,7 @@ class DcrCheckpointEngine:
             return
         if self._engine is None:
             self._engine = build_engine(self._worker, self._probe, topo, rollout_rank, self.key,
-                                        self.options.dcr.engine_index)
+                                        self.options.dcr.engine_index, self.options.dcr.threads)
         self.rollout = RolloutSide(self._engine, topo, rollout_rank, self.key, self.options.dcr.reply_timeout_s)
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

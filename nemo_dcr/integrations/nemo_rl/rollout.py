@@ -94,11 +94,11 @@ def probe_worker(worker: Any) -> tuple[dict, dict[str, tuple[str, tuple[int, ...
 
 
 def build_engine(worker: Any, probe: tuple, topo: Topology, rollout_rank: int, key: bytes,
-                 keep_index: bool = True) -> TensorEngine:
+                 keep_index: bool = True, threads: int | str = "auto") -> TensorEngine:
     """The in-place engine of rollout rank ``rollout_rank`` over the worker's live params: primaries
     assigned over every rollout rank's placement (from NeMo-RL's metadata, the same on every rank),
     coverage checked; ``keep_index`` keeps ``dcr`` class indexes of the views (host memory, ~2.3
-    bytes per element).
+    bytes per element); ``threads``: its worker threads (``dcr.threads``).
 
     Raises:
         PlacementError: some canonical element is held by no rollout rank.
@@ -110,7 +110,7 @@ def build_engine(worker: Any, probe: tuple, topo: Topology, rollout_rank: int, k
     if set(mine) != set(own):
         raise PlacementError(f"rollout rank {rollout_rank}: NeMo-RL's metadata carries another rank's placement")
     params = {n: p.data for n, p in worker.model_runner.model.named_parameters()}
-    return TensorEngine(params, 0, key, keep_index, placement=mine, fills=fills)
+    return TensorEngine(params, 0, key, keep_index, placement=mine, fills=fills, threads=threads)
 
 
 class RolloutSide:

@@ -39,6 +39,7 @@ from nemo_dcr.apply import ApplyResult, EngineChecksums, EngineRefusedError, Par
 from nemo_dcr.apply.contract import shard_parts
 from nemo_dcr.apply.guard import PendingSlot
 from nemo_dcr.apply.placement import assign_primary, check_coverage, placement_from_json, placement_to_json
+from nemo_dcr.kernels.workers import resolve_threads
 from nemo_dcr.verify.checksum import MASK64
 from nemo_dcr.verify.sample import Sample
 
@@ -124,6 +125,8 @@ class VllmEngine:
         version: the version the loaded weights are.
         keep_index: every rank keeps ``dcr`` class indexes (``dcr.engine_index``).
         dtypes: canonical tensor name -> torch dtype name (default ``bfloat16``).
+        threads: worker threads of each rank (``dcr.threads``); ``auto``: the cores this process
+            may run on divided by the TP ranks (processes on this host).
 
     Raises:
         EngineRefusedError: some param, tensor or engine feature cannot be refit (names each, with
@@ -131,7 +134,7 @@ class VllmEngine:
     """
 
     def __init__(self, llm, shapes: Mapping[str, Sequence[int]], key: bytes | None = None, version: int = 0,
-                 keep_index: bool = True, dtypes: Mapping[str, str] | None = None):
+                 keep_index: bool = True, dtypes: Mapping[str, str] | None = None, threads: int | str = "auto"):
         self.llm = llm
         self.tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         if llm.llm_engine.vllm_config.parallel_config.pipeline_parallel_size != 1:
@@ -149,7 +152,8 @@ class VllmEngine:
         check_coverage(ranks, self.shapes, self.skipped)
         self._placements = [placement_to_json(r) for r in ranks]
         t1 = time.perf_counter()
-        llm.collective_rpc("dcr_attach", args=(self._placements, key, version, keep_index))
+        llm.collective_rpc("dcr_attach", args=(self._placements, key, version, keep_index,
+                                               resolve_threads(threads, processes=self.tp)))
         self.startup_seconds = {"probe": t1 - t0, "attach": time.perf_counter() - t1}
         """Seconds of the placement probe and of the attach (engines over the live params, their
         checksums and kept class indexes); :meth:`start` adds ``load`` (vLLM's own start-up)."""
@@ -164,13 +168,13 @@ class VllmEngine:
     @classmethod
     def start(cls, model: str, tensor_parallel_size: int = 1, key: bytes | None = None, version: int = 0,
               shapes: Mapping[str, Sequence[int]] | None = None, keep_index: bool = True,
-              **llm_kwargs) -> "VllmEngine":
+              threads: int | str = "auto", **llm_kwargs) -> "VllmEngine":
         """Start ``vllm.LLM`` on ``model`` (an HF folder) with the worker extension and attach.
 
         Args:
             model: HF model folder (``config.json`` with ``architectures``, safetensors weights).
             tensor_parallel_size: engine TP ranks.
-            key, version, keep_index: see the class.
+            key, version, keep_index, threads: see the class.
             shapes: canonical shapes (default: read from ``model``'s safetensors headers).
             **llm_kwargs: more ``vllm.LLM`` arguments (``load_format="dummy"``, ``tokenizer``, ...);
                 defaults: ``dtype="bfloat16"``, ``enforce_eager=True``, ``max_model_len=512``.
@@ -180,7 +184,7 @@ class VllmEngine:
         load = time.perf_counter() - t0
         try:
             engine = cls(llm, canonical_shapes(model) if shapes is None else shapes, key, version, keep_index,
-                         canonical_dtypes(model) if shapes is None else None)
+                         canonical_dtypes(model) if shapes is None else None, threads)
         except BaseException:
             llm.llm_engine.engine_core.shutdown()
             raise

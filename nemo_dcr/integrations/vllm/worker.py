@@ -172,8 +172,9 @@ class DcrWorkerExtension:
         return post_load_steps(self._dcr_model(), getattr(self, "vllm_config", None))
 
     def dcr_attach(self, placements: Sequence[dict], key: bytes | None = None, version: int = 0,
-                   keep_index: bool = True) -> dict:
-        """Build the engine over the live params from this rank's entry of ``placements``.
+                   keep_index: bool = True, threads: int | str = "auto") -> dict:
+        """Build the engine over the live params from this rank's entry of ``placements``
+        (``threads``: its worker threads, ``dcr.threads``).
 
         Transformed tensors get a shadow filled with a NaN pattern (what the engine loaded of them
         is not known in canonical form), so the first sync sends them.
@@ -195,7 +196,8 @@ class DcrWorkerExtension:
         params.update({SHADOW + n: t for n, t in shadows.items()})
         self.dcr_refresh = Refresh(model, shadows, {n: mine[n].shape for n in shadows}, self.dcr_reload,
                                    self.dcr_derived, self._dcr_steps())
-        self.dcr_engine = TensorEngine(params, version, key, keep_index, placement=mine, fills=self.dcr_fills)
+        self.dcr_engine = TensorEngine(params, version, key, keep_index, placement=mine, fills=self.dcr_fills,
+                                       threads=threads)
         return dict(rank=self.rank, tensors=len(mine), version=version, shadows=sorted(shadows))
 
     def dcr_prepare(self, parts_by_rank: Sequence[Sequence[Part]], resync: bool = False) -> dict:

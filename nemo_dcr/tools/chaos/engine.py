@@ -86,14 +86,14 @@ def build(kind: str, wd: Workdir, key: bytes | None, dcr):
     if kind == "vllm":
         from nemo_dcr.integrations.vllm.engine import VllmEngine
 
-        return VllmEngine.start(str(wd.hf), key=key, keep_index=dcr.engine_index, skip_tokenizer_init=True,
-                                max_num_seqs=2, max_model_len=128)
+        return VllmEngine.start(str(wd.hf), key=key, keep_index=dcr.engine_index, threads=dcr.threads,
+                                skip_tokenizer_init=True, max_num_seqs=2, max_model_len=128)
     from transformers import AutoModelForCausalLM
 
     from nemo_dcr.integrations.hf.engine import HFEngine
 
     model = AutoModelForCausalLM.from_pretrained(wd.hf, dtype=torch.float32)
-    return HFEngine(model, torch.bfloat16, key=key, keep_index=dcr.engine_index)
+    return HFEngine(model, torch.bfloat16, key=key, keep_index=dcr.engine_index, threads=dcr.threads)
 
 
 class ChaosEngine(ForwardingEngine):

@@ -79,7 +79,7 @@ def _build(setup: EngineSetup):
         from nemo_dcr.integrations.vllm.engine import VllmEngine
 
         engine = VllmEngine.start(setup.hf_dir, key=setup.key, keep_index=setup.dcr.engine_index,
-                                  max_model_len=512, max_num_seqs=64)
+                                  threads=setup.dcr.threads, max_model_len=512, max_num_seqs=64)
         return engine, tokenizer, dict(engine.startup_seconds)
     return build_hf_engine(Path(setup.hf_dir), setup.key, setup.dcr), tokenizer, {"load": time.perf_counter() - t0}
 

@@ -29,7 +29,7 @@ def build_hf_engine(hf_dir: Path, key: bytes | None, dcr):
         from nemo_dcr.refit.fp8_mirror import fp8_plan
 
         plan = fp8_plan(dcr, {n: tuple(p.shape) for n, p in model.named_parameters()})
-    return HFEngine(model, torch.bfloat16, key=key, fp8_plan=plan, keep_index=dcr.engine_index)
+    return HFEngine(model, torch.bfloat16, key=key, fp8_plan=plan, keep_index=dcr.engine_index, threads=dcr.threads)
 
 
 def fp8_same(engine, dense: dict[str, torch.Tensor]) -> bool:

@@ -1,0 +1,161 @@
+"""``dcr.threads``: worker threads over a part's records give the bytes, the engine state and the
+errors of one thread (kernels/workers.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from nemo_dcr.apply import ApplyVerificationError, InjectedFault, TensorEngine, apply_version, transaction
+from nemo_dcr.codec import DcrIndexes, Identity, decode, diff_tensors, encode_deltas
+from nemo_dcr.codec import payload as payload_mod
+from nemo_dcr.codec.errors import BaseChecksumMismatchError
+from nemo_dcr.config import ConfigError, DcrConfig
+from nemo_dcr.kernels import workers
+from nemo_dcr.kernels.workers import resolve_threads
+from nemo_dcr.types import bits_view
+from nemo_dcr.verify.checksum import tensor_checksum
+
+KEY = b"k" * 32
+ID = Identity(base_version=0, target_version=1)
+
+
+@pytest.fixture(autouse=True)
+def every_part_parallel(monkeypatch):
+    """Small test parts take the worker threads too."""
+    monkeypatch.setattr(workers, "MIN_PARALLEL_CHANGES", 0)
+
+
+def _model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": (torch.randn(64, 48, generator=g) * 10.0 ** -(i % 3)).to(torch.bfloat16)
+            for i in range(6)}
+
+
+def _step(tensors, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return {n: (t.float() + torch.randn(t.shape, generator=g) * t.float().abs() * 0.02).to(torch.bfloat16)
+            for n, t in tensors.items()}
+
+
+def _payload(model, target, threads: int, encoding: str = "dcr") -> bytes:
+    bits = {n: bits_view(t.clone()) for n, t in model.items()}
+    cks = {n: tensor_checksum(b) for n, b in bits.items()}
+    return encode_deltas(diff_tensors(model, target), bits, ID, encoding, KEY, cks, DcrIndexes(), threads)
+
+
+@pytest.mark.parametrize("encoding", ["dcr", "reference"])
+def test_encode_bytes_are_those_of_one_thread(monkeypatch, encoding):
+    model = _model()
+    target = _step(model)
+    ran_on = set()
+    encode_record = payload_mod.encode_record
+
+    def spy(*a, **k):
+        ran_on.add(threading.current_thread().name)
+        return encode_record(*a, **k)
+
+    monkeypatch.setattr(payload_mod, "encode_record", spy)
+    one = _payload(model, target, 1, encoding)
+    assert ran_on == {threading.current_thread().name}
+    ran_on.clear()
+    assert _payload(model, target, 3, encoding) == one
+    assert any(n.startswith("nemo-dcr-worker") for n in ran_on)
+
+
+def test_engine_state_is_that_of_one_thread():
+    model = _model()
+    target, again = _step(model, 1), _step(_step(model, 1), 2)
+    engines = {n: TensorEngine({k: t.clone() for k, t in model.items()}, key=KEY, threads=n) for n in (1, 3)}
+    assert engines[3].threads == 3
+    results = {n: apply_version(engine, {0: [_payload(model, target, 1)]}) for n, engine in engines.items()}
+    for name in model:
+        assert torch.equal(bits_view_t(engines[1].tensors[name]), bits_view_t(engines[3].tensors[name]))
+        assert torch.equal(bits_view_t(engines[3].tensors[name]), bits_view_t(target[name]))
+    assert results[1].touched == results[3].touched and results[1].checksums == results[3].checksums
+    assert engines[1].indexes.moves == engines[3].indexes.moves
+    # the next version decodes with the indexes the threaded commit moved
+    nxt = encode_deltas(diff_tensors(target, again), {n: bits_view(t.clone()) for n, t in target.items()},
+                        Identity(base_version=1, target_version=2), "dcr", KEY)
+    for engine in engines.values():
+        apply_version(engine, {0: [nxt]})
+        assert engine.indexes.builds == len(model)  # built once, then moved by commits, never rebuilt
+    for name in model:
+        assert torch.equal(bits_view_t(engines[3].tensors[name]), bits_view_t(again[name]))
+
+
+def bits_view_t(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _failing(engine_threads: int, monkeypatch, how: str):
+    model = _model()
+    engine = TensorEngine({k: t.clone() for k, t in model.items()}, key=KEY, threads=engine_threads)
+    data = _payload(model, _step(model), 1)
+    if how == "fault":
+        def fault(name):
+            if name in ("layer2.weight", "layer4.weight"):
+                raise InjectedFault(f"fault after {name}")
+        engine.fault = fault
+    else:  # the read-back check finds two tensors that do not hold what was written
+        bad = {engine.tensors[n].data_ptr() for n in ("layer3.weight", "layer5.weight")}
+        real = transaction.unequal_at
+        monkeypatch.setattr(transaction, "unequal_at",
+                            lambda view, pos, new: 0 if view.data_ptr() in bad else real(view, pos, new))
+    with pytest.raises(Exception) as err:
+        apply_version(engine, {0: [data]})
+    for n, t in model.items():
+        assert torch.equal(bits_view_t(engine.tensors[n]), bits_view_t(t)), n  # rolled back, bit for bit
+    assert engine.version == 0 and engine.pending is None
+    return type(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("how, kind", [("fault", InjectedFault), ("readback", ApplyVerificationError)])
+def test_a_failing_worker_rolls_back_and_reports_like_one_thread(monkeypatch, how, kind):
+    one = _failing(1, monkeypatch, how)
+    assert one[0] is kind
+    assert _failing(3, monkeypatch, how) == one
+
+
+def test_decode_raises_the_first_failing_record_like_one_thread():
+    model = _model()
+    data = _payload(model, _step(model), 1)
+    cks = {n: tensor_checksum(bits_view(t)) for n, t in model.items()}
+    cks["layer1.weight"] ^= 1
+    cks["layer4.weight"] ^= 1
+    msgs = []
+    for threads in (1, 3):
+        with pytest.raises(BaseChecksumMismatchError) as err:
+            decode(data, model, KEY, cks, DcrIndexes(), threads)
+        msgs.append(str(err.value))
+    assert msgs[0] == msgs[1] and "layer1.weight" in msgs[0]
+
+
+def test_small_parts_stay_on_the_calling_thread(monkeypatch):
+    monkeypatch.setattr(workers, "MIN_PARALLEL_CHANGES", 1 << 16)
+    names = workers.map_records(lambda _: threading.current_thread().name, range(4), 4, lambda _: 100)
+    assert set(names) == {threading.current_thread().name}
+    assert workers.map_records(lambda x: x * 2, range(5), 4) == [0, 2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("value", [0, -2, "many", True, 1.5, None])
+def test_bad_threads_are_refused_at_config_load(value):
+    with pytest.raises(ConfigError) as err:
+        DcrConfig.from_mapping({"threads": value})
+    assert str(err.value).startswith("dcr.threads: must be")
+
+
+def test_threads_values(monkeypatch):
+    assert DcrConfig.from_mapping({"threads": 4}).threads == 4
+    assert DcrConfig().threads == "auto"
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert resolve_threads("auto") == cores and resolve_threads(3) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
+    assert resolve_threads("auto") == 1  # more processes than cores: one each
+    assert resolve_threads("auto", processes=1) == cores  # an engine counts as one process
+    with pytest.raises(ValueError, match="positive int or 'auto'"):
+        resolve_threads(0)
