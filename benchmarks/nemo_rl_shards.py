@@ -25,9 +25,11 @@ CPU seconds it took the policy worker processes together (``os.times``; far less
 other load on the machine than wall time) and this process (the vLLM workers), the
 plugin's phases on policy rank 0 (``export``: draining the export; ``total``: the refit; every
 phase of the refit), the export's own seconds and the bytes it materialized on each worker, the
-owned copies, payload bytes and density.  Memory (RSS, MiB) of every policy worker after each
-session's first sync, and of this process (the vLLM workers are its threads) with the vLLM
-workers built and after their first sync.  Prints one JSON object
+owned copies, payload bytes and density.  Memory (RSS, MiB) of every policy worker before and after each
+session's first sync (now and the process's peak), and of this process (the vLLM workers are its
+threads) with the vLLM workers built and after their first sync; the bytes each policy worker
+wrote into the shared folder in the first sync, and the folder's largest size during it
+(sampled every 50 ms, each inode once).  Prints one JSON object
 (medians over the delta syncs, and every sync); times are wall seconds on a shared machine:
 compare the two paths by the ratios of one run.
 """
@@ -44,7 +46,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import os  # noqa: E402
 import secrets  # noqa: E402
+import threading  # noqa: E402
 
 from nemo_dcr.integrations.nemo_rl import SELECTOR  # noqa: E402
 from nemo_dcr.layout import model_dims  # noqa: E402
@@ -69,6 +73,42 @@ def _all(calls):
     return Synchronizer._all(calls)
 
 
+def folder_bytes(root: str) -> int:
+    """Bytes of the files under ``root`` now, each inode once (hard links share their data)."""
+    seen, total = set(), 0
+    for folder, _, files in os.walk(root):
+        for f in files:
+            try:
+                st = os.stat(os.path.join(folder, f))
+            except FileNotFoundError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
+    return total
+
+
+class PeakDisk:
+    """The largest :func:`folder_bytes` of ``root`` seen while the block runs (sampled every 50 ms)."""
+
+    def __init__(self, root: str):
+        self.root, self.peak, self._stop = root, 0, threading.Event()
+
+    def _watch(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, folder_bytes(self.root))
+            self._stop.wait(0.05)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def run_path(path: str, dims, vdims, args, cfg: dict) -> dict:
     """One session on ``path`` ("export" or "shards") in fresh workers: attach, then ``--syncs``
     delta syncs."""
@@ -81,7 +121,8 @@ def run_path(path: str, dims, vdims, args, cfg: dict) -> dict:
         driver_engines = rss_mib()["rss"]
         _all([lambda p=p: p.report() for p in policy])  # every worker built
         startup = time.perf_counter() - t0
-        sync = Synchronizer(policy, engines, SELECTOR, {**cfg, "url": f"{cfg['url']}-{path}"})
+        url = f"{cfg['url']}-{path}"
+        sync = Synchronizer(policy, engines, SELECTOR, {**cfg, "url": url})
         sync.init_communicator()
         rows, memory = [], {}
         for i in range(args.syncs + 1):
@@ -89,12 +130,17 @@ def run_path(path: str, dims, vdims, args, cfg: dict) -> dict:
                 _all([lambda p=p: p.train(i) for p in policy])
             before = [p.report() for p in policy]
             t1, c1 = time.perf_counter(), cpu_seconds()
-            sync.sync_weights()
+            with PeakDisk(url) as disk:
+                sync.sync_weights()
             wall, rollout_cpu = time.perf_counter() - t1, cpu_seconds() - c1
             reports = [p.report() for p in policy]
             if i == 0:
-                memory = dict(policy_rss_mib=[x["memory"]["rss"] for x in reports],
+                memory = dict(policy_rss_before_mib=[x["memory"]["rss"] for x in before],
+                              policy_peak_before_mib=[x["memory"]["peak"] for x in before],
+                              policy_rss_mib=[x["memory"]["rss"] for x in reports],
                               policy_peak_mib=[x["memory"]["peak"] for x in reports],
+                              written_bytes_per_worker=[a["written"] - b["written"] for a, b in zip(reports, before)],
+                              peak_folder_bytes=disk.peak,
                               driver_before_vllm_mib=driver_before, driver_with_vllm_mib=driver_engines,
                               driver_after_attach_mib=rss_mib()["rss"])
             bad = reference_mismatches(policy, engines, vdims, args.tp)

@@ -17,6 +17,17 @@ never by clock. A receive costs one listing of the run folder (one entry per sen
 read, whatever the backlog; while idle a receiver sweeps its folders at most every ``sweep_s``:
 it warns once about stray files and other runs' folders (never read), removes replayed objects
 and temp files abandoned for ``tmp_stale_s``, and skips past messages removed from the store.
+
+**Shared bodies** (``share_bodies``, local filesystems): a body of at least ``share_min_bytes``
+travels beside its frame as ``<seq>.body``, and the frame (version 2) carries the body's length
+and SHA-256 instead of the body, under the same MAC; the receiver checks both before the
+envelope is returned.  The sender writes each distinct body once into its *staging* folder
+(``<url>/staged-<sender>/run-<R>/``) and hard-links it as the ``<seq>.body`` of every receiver it
+is sent to, so receivers that get the same bytes (data-parallel engine replicas) share one copy
+on disk; each receiver deletes its frame and its link when it consumes them, and the sender's
+:meth:`StoreTransport.release` deletes the staged names (the data is freed when the last link
+goes).  Where a hard link cannot be made, the body is written again for that receiver (one
+warning).
 """
 
 from __future__ import annotations
@@ -37,8 +48,12 @@ MAC_BYTES = 32
 MIN_KEY_BYTES = 16
 """The key rule of docs/wire_format.md rule 5 (``nemo_dcr.codec.auth.MIN_KEY_BYTES``; a test keeps them equal)."""
 _FRAME = struct.Struct("<4sB16siiQ")  # magic, frame version, run id, sender, receiver, sequence
+_BODY = struct.Struct("<Q32s")  # frame version 2: body length, SHA-256 of the body (after the envelope head)
 _MAGIC = b"NDCS"
 _SEQ = re.compile(r"^(\d{16})\.env$")
+_BODY_NAME = re.compile(r"^(\d{16})\.body$")
+SHARE_MIN_BYTES = 1 << 12
+"""Default smallest body that travels as a shared ``<seq>.body`` (``share_bodies``)."""
 _FROM = re.compile(r"^from-(\d{1,9})$")
 
 
@@ -61,6 +76,15 @@ class StoreTransport:
         run: identity of this transport group's run, the same for all its endpoints (any text;
             default: a fresh random one, for endpoints created together in one process).
         poll_s: interval between looks while waiting.
+        share_bodies: write each distinct body of at least ``share_min_bytes`` once and hard-link
+            it for every receiver it is sent to (module docstring); the caller calls
+            :meth:`release` once the sends that may repeat a body are done.
+        share_min_bytes: see ``share_bodies``.
+
+    Attributes:
+        bytes_sent: envelope body bytes sent (every receiver counted).
+        bytes_written: bytes this endpoint wrote into the store (frames and bodies; a shared
+            body once).
     """
 
     sweep_s = 1.0
@@ -68,7 +92,8 @@ class StoreTransport:
     tmp_stale_s = 300.0
     """A temp file seen for this long (receiver's clock) belongs to a writer that died: removed."""
 
-    def __init__(self, url: str, rank: int, key: bytes, run: str | None = None, poll_s: float = 0.01):
+    def __init__(self, url: str, rank: int, key: bytes, run: str | None = None, poll_s: float = 0.01,
+                 share_bodies: bool = False, share_min_bytes: int = SHARE_MIN_BYTES):
         import fsspec
 
         if len(key) < MIN_KEY_BYTES:
@@ -79,8 +104,12 @@ class StoreTransport:
         self.run = new_run_id() if run is None else str(run)
         self._run_id = hashlib.sha256(self.run.encode()).digest()[:16]
         self.bytes_sent = 0
+        self.bytes_written = 0
         self.stats = {"replays": 0, "other_run": 0, "misaddressed": 0, "strays": 0, "tmp_removed": 0, "lost": 0,
-                      "unremoved": 0}
+                      "unremoved": 0, "shared": 0}
+        self.share_bodies = bool(share_bodies) and hasattr(self.fs, "link")
+        self.share_min_bytes = int(share_min_bytes)
+        self._staged: dict[bytes, str] = {}
         self._send_seq: dict[int, int] = {}
         self._next: dict[int, int] = {}
         self._rr = 0
@@ -96,32 +125,88 @@ class StoreTransport:
         return hmac.new(self.key, frame, hashlib.sha256).digest()
 
     def send(self, dst: int, env: Envelope) -> None:
-        """Write the authenticated frame atomically as ``dst``'s next message from this rank.
+        """Write the authenticated frame atomically as ``dst``'s next message from this rank (with
+        ``share_bodies``, a large body first, as a link to its staged copy).
 
         Raises:
             TransportError: the store refused the write (a full disk, a read-only folder, a lost
-                connection: the OS error named); nothing was published, the temp file is removed
-                (as far as the store allows) and the next send tries the same sequence number.
+                connection: the OS error named); nothing was published, the temp file and the
+                body written for it are removed (as far as the store allows) and the next send
+                tries the same sequence number.
         """
         env = env if env.receiver >= 0 else replace(env, receiver=dst)
         seq = self._send_seq.get(dst, 0)
         folder = f"{self._run_dir(dst)}/from-{self.rank}"
-        frame = _FRAME.pack(_MAGIC, 1, self._run_id, self.rank, dst, seq) + env.to_bytes()
-        tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
+        shared = self.share_bodies and len(env.body) >= self.share_min_bytes
+        head = _FRAME.pack(_MAGIC, 2 if shared else 1, self._run_id, self.rank, dst, seq)
+        if shared:
+            digest = hashlib.sha256(env.body).digest()
+            frame = head + replace(env, body=b"").to_bytes() + _BODY.pack(len(env.body), digest)
+        else:
+            frame = head + env.to_bytes()
+        body_path = f"{folder}/{seq:016d}.body"
+        made: list[str] = []
         try:
             self.fs.makedirs(folder, exist_ok=True)
-            with self.fs.open(tmp, "wb") as f:
-                f.write(frame + self._mac(frame))
-            self.fs.mv(tmp, f"{folder}/{seq:016d}.env")
+            if shared:
+                self._place_body(env.body, digest, body_path, made)
+            self._write(f"{folder}/{seq:016d}.env", frame + self._mac(frame), made)
         except OSError as exc:
-            self._remove(tmp, quiet=True)
+            self._undo(made)
             raise TransportError(f"rank {self.rank}: could not write message #{seq} for rank {dst} under {folder}: "
                                  f"{exc}") from exc
         except BaseException:
-            self._remove(tmp, quiet=True)
+            self._undo(made)
             raise
         self._send_seq[dst] = seq + 1
         self.bytes_sent += len(env.body)
+
+    def _write(self, path: str, data: bytes, made: list[str]) -> None:
+        """Write ``data`` under a temp name in ``path``'s folder and rename it into place; ``made``
+        gets what exists once this returns or raises (for :meth:`_undo`)."""
+        tmp = f"{path.rsplit('/', 1)[0]}/.tmp-{uuid.uuid4().hex}"
+        made.append(tmp)
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        self.fs.mv(tmp, path)
+        made[made.index(tmp)] = path
+        self.bytes_written += len(data)
+
+    def _place_body(self, body: bytes, digest: bytes, path: str, made: list[str], again: bool = True) -> None:
+        """``path`` holds ``body``: a hard link to its staged copy (staged now if it is new)."""
+        staged = self._staged.get(digest)
+        if staged is None:
+            staged = f"{self.root}/staged-{self.rank}/run-{self._run_id.hex()}/{digest.hex()}.body"
+            self.fs.makedirs(staged.rsplit("/", 1)[0], exist_ok=True)
+            self._write(staged, body, made)
+            made.remove(staged)  # kept for the next receiver until release(), even when this send fails
+            self._staged[digest] = staged
+        else:
+            self.stats["shared"] += 1
+        try:
+            self.fs.link(staged, path)
+            made.append(path)
+        except FileNotFoundError:  # the staged copy was removed behind this endpoint's back: stage it again
+            del self._staged[digest]
+            if not again:
+                raise
+            self._place_body(body, digest, path, made, again=False)
+        except OSError as exc:  # no hard links on this filesystem: a copy per receiver from now on
+            self.share_bodies = False
+            warnings.warn(f"{path}: cannot hard-link bodies here ({exc}); each receiver gets its own copy",
+                          StoreWarning, stacklevel=4)
+            self._write(path, body, made)
+
+    def _undo(self, made: list[str]) -> None:
+        for path in made:
+            self._remove(path, quiet=True)
+
+    def release(self) -> list[str]:
+        """Delete the staged bodies (``share_bodies``): links already made stay readable; a body sent
+        again is staged again.  Returns the names deleted."""
+        gone = [p for p in self._staged.values() if self._remove(p, quiet=True)]
+        self._staged = {}
+        return gone
 
     def flush(self) -> None:
         """Writes are synchronous."""
@@ -176,22 +261,47 @@ class StoreTransport:
         except FileNotFoundError:
             return None
         self._remove(path, quiet=True)  # consumed or refused: read once (by sequence number, if it cannot go)
-        head = self._open(path, raw)
-        problem = self._check(head, src, seq)
-        if problem:
-            warnings.warn(f"{path}: {problem[1]}; dropped", StoreWarning, stacklevel=4)
-            self.stats[problem[0]] += 1
-            return None
-        self._next[src] = seq + 1
-        return Envelope.from_bytes(raw[_FRAME.size:-MAC_BYTES])
+        body_path = path[:-len(".env")] + ".body"
+        try:
+            head = self._open(path, raw)
+            problem = self._check(head, src, seq)
+            if problem:
+                warnings.warn(f"{path}: {problem[1]}; dropped", StoreWarning, stacklevel=4)
+                self.stats[problem[0]] += 1
+                return None
+            self._next[src] = seq + 1
+            if head[1] == 1:
+                return Envelope.from_bytes(raw[_FRAME.size:-MAC_BYTES])
+            return self._with_body(body_path, raw[_FRAME.size:-MAC_BYTES])
+        finally:
+            if raw[4:5] == b"\x02":
+                self._remove(body_path, quiet=True)
+
+    def _with_body(self, path: str, section: bytes) -> Envelope:
+        """The envelope of an authenticated version-2 frame with its body read from ``path``.
+
+        Raises:
+            TransportError: the body is missing, or its length or SHA-256 is not the frame's.
+        """
+        if len(section) < _BODY.size:
+            raise TransportError(f"{path}: version-2 frame too short for its body reference")
+        size, digest = _BODY.unpack(section[-_BODY.size:])
+        try:
+            body = self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise TransportError(f"{path}: the body of an authenticated frame is missing from the store") from None
+        if len(body) != size or not hmac.compare_digest(hashlib.sha256(body).digest(), digest):
+            raise TransportError(f"{path}: body of {len(body)} bytes does not match its frame's length {size} and "
+                                 "SHA-256 (altered or truncated)")
+        return replace(Envelope.from_bytes(section[:-_BODY.size]), body=body)
 
     def _open(self, path: str, raw: bytes) -> tuple:
         frame = raw[:-MAC_BYTES]
         if len(raw) < _FRAME.size + MAC_BYTES or not hmac.compare_digest(raw[-MAC_BYTES:], self._mac(frame)):
             raise TransportError(f"{path}: envelope MAC does not match (tampered, truncated or another key)")
         head = _FRAME.unpack_from(raw)
-        if head[0] != _MAGIC or head[1] != 1:
-            raise TransportError(f"{path}: authenticated object is not a version-1 store frame")
+        if head[0] != _MAGIC or head[1] not in (1, 2):
+            raise TransportError(f"{path}: authenticated object is not a version-1 or 2 store frame")
         return head
 
     def _check(self, head: tuple, src: int, seq: int) -> tuple[str, str] | None:
@@ -221,7 +331,11 @@ class StoreTransport:
         for path in self._ls(folder):
             name = path.rsplit("/", 1)[-1]
             m = _SEQ.match(name)
-            if name.startswith(".tmp-"):
+            b = _BODY_NAME.match(name)
+            if b:  # a frame's body: read with its frame; one left behind a consumed frame is removed
+                if int(b.group(1)) < expected:
+                    self._remove(path, quiet=True)
+            elif name.startswith(".tmp-"):
                 first = self._tmp_seen.setdefault(path, time.monotonic())
                 if time.monotonic() - first >= self.tmp_stale_s and self._remove(path, quiet=True):
                     self._tmp_seen.pop(path, None)

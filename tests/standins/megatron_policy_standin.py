@@ -295,6 +295,7 @@ class MegatronPolicyWorker(_CheckpointEngineHost):
                     last=side.last if side else None, recovered=list(side.recovered) if side else [],
                     held_bytes=sum(t.numel() * t.element_size() for t in side.held.values()) if side else 0,
                     exported=self.exported, exported_bytes=self.exported_bytes, export_s=self.export_s, memory=rss_mib(), cpu_s=cpu_seconds(),
+                    written=side.transport.bytes_written if side else 0,
                     pid=os.getpid())
 
     def fail_next_refit(self) -> None:

@@ -129,7 +129,9 @@ def test_nemo_rl_recipe_snippet_turns_dcr_on(tmp_path):
     node = OmegaConf.load(ROOT / "configs" / "nemo_rl" / "grpo_math_1B_megatron_dcr.yaml")
     gen = node.policy.generation
     assert gen.refit_transport == "nemo_dcr.integrations.nemo_rl:DcrCheckpointEngine" and not gen.colocated.enabled
-    scoped = OmegaConf.to_container(gen.refit_cfg[gen.refit_transport])  # ${oc.env:...} left unresolved
+    # the selector's block is the interpolation of refit_cfg.nemo_dcr (dotted overrides: docs/nemo_rl.md)
+    assert OmegaConf.to_container(gen.refit_cfg)[gen.refit_transport] == "${policy.generation.refit_cfg.nemo_dcr}"
+    scoped = OmegaConf.to_container(gen.refit_cfg.nemo_dcr)  # ${oc.env:...} left unresolved
     from nemo_dcr.integrations.nemo_rl import DcrCheckpointEngine
 
     kwargs = {k: v for k, v in scoped.items() if k != "update_weights_bucket_memory_ratio"}

@@ -97,6 +97,28 @@ def test_concurrent_syncs_are_bit_exact_after_every_step(refit_cfg, tmp_path, ex
     assert not list((tmp_path / "refit").rglob("*.env"))  # every message was consumed and deleted
 
 
+def test_dp_replicas_share_one_copy_of_the_first_sync_on_disk(refit_cfg, tmp_path):
+    """vLLM DP=2 x TP=2: both replicas hold the same views, so each policy worker writes every
+    payload part of the first sync once (hard-linked for the second replica): the bytes written
+    into the shared folder are those of DP=1, while twice the bytes reach the vLLM workers."""
+    dims = StandinDims(hidden=64, heads=4, kv_heads=1, head_dim=8, ffn=128, vocab=256, pad_to=64, experts=4,
+                       moe_ffn=32)
+    written, sent = {}, {}
+    for dp in (1, 2):
+        state = initial_state(dims)
+        policy, engines = policy_workers(state), vllm_engines(dims, dp, TP)
+        sync = Synchronizer(policy, engines, SELECTOR, {**refit_cfg, "url": str(tmp_path / f"refit-dp{dp}")})
+        sync.sync_weights()
+        sides = [p.checkpoint_engine.policy for p in policy]
+        assert sides[0].last.mode == "attach" and sides[0].last.committed
+        assert reference_mismatches_of(state, engines, dims, TP) == []  # every replica as its own fresh load
+        written[dp] = sum(s.transport.bytes_written for s in sides)
+        sent[dp] = sum(s.last.payload_bytes for s in sides[:1])
+        assert not [p for p in (tmp_path / f"refit-dp{dp}").rglob("*") if p.is_file() and p.name != "telemetry.jsonl"]
+    assert sent[2] == 2 * sent[1] and written[1] >= sent[1]  # payload_bytes: every receiver counted
+    assert written[2] < 1.08 * written[1], (written, sent)
+
+
 def test_each_policy_worker_keeps_only_its_owned_tensors(refit_cfg):
     state = initial_state(D)
     policy, engines = policy_workers(state), vllm_engines(D, 1, TP)

@@ -281,3 +281,89 @@ def test_refit_path_over_the_store_transport(tmp_path):
             assert r.committed and r.verified
         assert all(torch.equal(int_view(job.engine.tensors[n]), int_view(p)) for n, p in job.trainer.params.items())
     assert job.server.stats.committed == 3
+
+
+# -- shared bodies (share_bodies: one copy on disk for receivers that get the same bytes) ----------
+
+def _sharing(tmp_path, n=3):
+    url = f"file://{tmp_path}/box"
+    return [StoreTransport(url, r, KEY, run="r", share_bodies=True, share_min_bytes=1000) for r in range(n)]
+
+
+def _files(t: StoreTransport):
+    return [p for p in (t.fs.find(t.root))]
+
+
+def test_a_body_sent_to_several_receivers_is_written_once(tmp_path):
+    import os
+
+    a, b, c = _sharing(tmp_path)
+    body = os.urandom(50_000)
+    for dst in (1, 2):
+        a.send(dst, Envelope(MessageKind.DELTA, 1, 0, body=body))
+    a.send(1, _env(2, size=10))  # small: inline, as before
+    bodies = [p for p in _files(a) if p.endswith(".body")]
+    assert len(bodies) == 3 and {os.stat(p).st_ino for p in bodies} == {os.stat(bodies[0]).st_ino}  # one inode
+    assert a.bytes_sent == 2 * len(body) + 10 and len(body) <= a.bytes_written < len(body) + 1000
+    assert a.stats["shared"] == 1
+    a.release()  # the staged name goes; the receivers' links keep the data
+    assert [b.recv(0, timeout=2).body, c.recv(0, timeout=2).body, b.recv(0, timeout=2).body] == [body, body, b"\2" * 10]
+    assert _files(a) == [] or all(os.path.isdir(p) for p in _files(a))
+
+
+def test_a_shared_body_altered_or_missing_raises(tmp_path):
+    a, b, c = _sharing(tmp_path)
+    body = b"x" * 5000
+    for dst in (1, 2):
+        a.send(dst, Envelope(MessageKind.DELTA, 1, 0, body=body))
+    a.release()
+    first, second = sorted(p for p in _files(a) if p.endswith(".body"))
+    with open(first, "r+b") as f:  # a hard link: altering one alters the other (a new file breaks the link)
+        f.write(b"y")
+    with pytest.raises(TransportError, match="does not match its frame's length 5000 and SHA-256"):
+        b.recv(0, timeout=2)
+    import os
+    os.remove(second)
+    with pytest.raises(TransportError, match="body of an authenticated frame is missing"):
+        c.recv(0, timeout=2)
+    assert [p for p in _files(a) if not os.path.isdir(p)] == []  # refused frames are removed with their bodies
+
+
+def test_a_failed_send_with_a_shared_body_leaves_no_file(tmp_path, monkeypatch):
+    import os
+
+    a, b, _ = _sharing(tmp_path)
+    body = b"z" * 5000
+    real = a.fs.mv
+
+    def full(src, dst, **kw):
+        if dst.endswith(".env"):
+            raise OSError(28, "No space left on device")
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(a.fs, "mv", full)
+    with pytest.raises(TransportError, match="No space left"):
+        a.send(1, Envelope(MessageKind.DELTA, 1, 0, body=body))
+    left = [p for p in _files(a) if not os.path.isdir(p)]
+    assert len(left) == 1 and "/staged-0/" in left[0]  # only the staged copy, until release()
+    a.release()
+    assert [p for p in _files(a) if not os.path.isdir(p)] == []
+    monkeypatch.setattr(a.fs, "mv", real)
+    a.send(1, Envelope(MessageKind.DELTA, 1, 0, body=body))  # the same sequence number, staged again
+    assert b.recv(0, timeout=2).body == body
+
+
+def test_without_hard_links_each_receiver_gets_a_copy(tmp_path, monkeypatch):
+    a, b, c = _sharing(tmp_path)
+
+    def no_links(src, dst, **kw):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(a.fs, "link", no_links)
+    body = b"w" * 5000
+    with pytest.warns(StoreWarning, match="cannot hard-link"):
+        a.send(1, Envelope(MessageKind.DELTA, 1, 0, body=body))
+    a.send(2, Envelope(MessageKind.DELTA, 1, 0, body=body))
+    a.release()
+    assert b.recv(0, timeout=2).body == body and c.recv(0, timeout=2).body == body
+    assert a.bytes_written >= 3 * len(body)  # staged + a copy + the second receiver's inline frame

@@ -75,9 +75,23 @@ def test_store_frame_bytes(tmp_path):
         MessageKind.ACK, 3, 1, body=b"{}", receiver=0)
 
 
+def test_store_frame_with_a_shared_body_bytes(tmp_path):
+    from nemo_dcr.transport import StoreTransport
+
+    body = bytes(range(256)) * 4
+    StoreTransport(str(tmp_path), 1, KEY, run="golden-run", share_bodies=True, share_min_bytes=1024).send(
+        0, Envelope(MessageKind.DELTA, 3, 1, body=body))
+    run = hashlib.sha256(b"golden-run").digest()[:16]
+    folder = tmp_path / "to-0" / f"run-{run.hex()}" / "from-1"
+    frame = (b"NDCS" + struct.pack("<B16siiQ", 2, run, 1, 0, 0) + _head(1, 3, 1, 0, 1, 0, 0)
+             + struct.pack("<Q", len(body)) + hashlib.sha256(body).digest())
+    assert (folder / "0000000000000000.env").read_bytes() == frame + hmac.new(KEY, frame, hashlib.sha256).digest()
+    assert (folder / "0000000000000000.body").read_bytes() == body
+
+
 @pytest.mark.parametrize("frame_version, mac, why", [
     (1, b"\0" * 32, "envelope MAC does not match"),
-    (2, None, "not a version-1 store frame"),
+    (3, None, "not a version-1 or 2 store frame"),
 ])
 def test_store_frames_failing_their_mac_or_version_raise(tmp_path, frame_version, mac, why):
     from nemo_dcr.transport import StoreTransport

@@ -32,6 +32,11 @@ NEMO_RL_KEYS = ("update_weights_bucket_memory_ratio",)
 """Keys of ``refit_cfg[<selector>]`` that NeMo-RL reads itself and does not pass to the engine."""
 CHECK_BUCKET = 1 << 20
 """NeMo-RL sizes ``bucket_size`` from the workers' GPU memory; the check stands in this value."""
+DOTTED = "policy.generation.refit_cfg.nemo_dcr"
+"""Where the plugin's settings live so that each is a dotted override NeMo-RL's parser accepts
+(``policy.generation.refit_cfg.nemo_dcr.<key>=<value>``); the selector's block is the interpolation
+``${policy.generation.refit_cfg.nemo_dcr}`` of it (a Hydra override key cannot hold the selector's
+``.`` and ``:``)."""
 
 
 def _get(cfg: Mapping, path: str, default: Any = None) -> Any:
@@ -64,6 +69,11 @@ def check_config(cfg: Mapping[str, Any]) -> PluginOptions:
     block = _get(gen, "refit_cfg", {}).get(SELECTOR) if isinstance(gen.get("refit_cfg"), Mapping) else None
     if not isinstance(block, Mapping):
         raise ConfigError(f"policy.generation.refit_cfg['{SELECTOR}']", "missing: NeMo-RL requires the plugin's block")
+    node = _get(cfg, DOTTED)
+    if node is not None and dict(node) != dict(block):
+        differ = sorted(k for k in set(node) | set(block) if node.get(k, "<unset>") != block.get(k, "<unset>"))
+        raise ConfigError(DOTTED, f"differs from refit_cfg['{SELECTOR}'] in {differ}: NeMo-RL reads only the "
+                                  f"selector's block, so make that block ${{{DOTTED}}} (docs/nemo_rl.md)")
     options = PluginOptions.parse(CHECK_BUCKET, {k: v for k, v in block.items() if k not in NEMO_RL_KEYS})
     key = options.dcr.key_file
     if not Path(key).is_file():

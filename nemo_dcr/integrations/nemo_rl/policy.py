@@ -89,7 +89,8 @@ class PolicySide:
         self.capture: str | None = None
         self.capture_detail = ""
         self.shards: TrainerSource | None = None
-        self.transport = SyncTransport(topo.folder, rank, key, topo.session, abort_on_end=True)
+        self.transport = SyncTransport(topo.folder, rank, key, topo.session, abort_on_end=True,
+                                       share_bodies=True)
         self.group = TransportGroup(self.transport, range(topo.train_world), options.dcr.reply_timeout_s)
         self.refit: DeltaRefit | None = None
         self._drained = False
@@ -224,6 +225,8 @@ class PolicySide:
                 outcome = SyncOutcome(self.syncs, attempt, False, not retry, self.rank,
                                       f"{type(exc).__name__}: {str(exc)[:800]}")
                 self.transport.end(self.parties, outcome)
+            finally:
+                self.transport.release()  # the payload's shared bodies: staged names go, links stay
             self.refit = None  # the resync (or the next sync) starts from the engines' checksums
             failures.append(outcome)
             if outcome.final or attempt + 1 == ATTEMPTS:

@@ -19,6 +19,10 @@ other party, and every policy endpoint waiting in that attempt gets it as :class
 (:meth:`SyncTransport.recv` watches every sender, so no party waits for a peer that gave up).
 The store transport deletes what it consumed; each endpoint deletes its own inboxes of earlier
 syncs and policy rank 0 deletes earlier sync folders and other sessions (:func:`remove_stale`).
+Large bodies are shared (``StoreTransport(share_bodies=True)``): a payload part a policy worker
+sends to several vLLM workers (data-parallel replicas holding the same views get the same bytes)
+is written once and hard-linked for each of them; the staged copies are released at the end of
+every attempt (:meth:`SyncTransport.release`).
 """
 
 from __future__ import annotations
@@ -234,14 +238,18 @@ class SyncTransport:
         key: HMAC key.
         session: the session's name (:attr:`Topology.session`).
         abort_on_end: raise :class:`SyncAborted` on an ``END`` envelope (policy side).
+        share_bodies: large bodies written once for every receiver of the same bytes
+            (:class:`~nemo_dcr.transport.StoreTransport`; policy side); released by :meth:`release`.
     """
 
-    def __init__(self, folder: str, rank: int, key: bytes, session: str, abort_on_end: bool = False):
+    def __init__(self, folder: str, rank: int, key: bytes, session: str, abort_on_end: bool = False,
+                 share_bodies: bool = False):
         self.session_folder, self.rank, self.key, self.session = folder, rank, key, session
-        self.abort_on_end = abort_on_end
+        self.abort_on_end, self.share_bodies = abort_on_end, share_bodies
         self.sync, self.attempt = 0, 0
         self._inner: StoreTransport | None = None
         self._held: list[Envelope] = []
+        self._written = 0
 
     @property
     def folder(self) -> str:
@@ -251,11 +259,26 @@ class SyncTransport:
     def begin(self, sync: int, attempt: int = 0) -> None:
         """Move to attempt ``attempt`` of sync ``sync``; this endpoint's inboxes of earlier syncs are
         deleted."""
+        self.release()
+        self._written = self.bytes_written
         self.sync, self.attempt, self._held = sync, attempt, []
         name = attempt_name(sync, attempt)
-        self._inner = StoreTransport(self.folder, self.rank, self.key, run=f"{self.session}:{name}")
+        self._inner = StoreTransport(self.folder, self.rank, self.key, run=f"{self.session}:{name}",
+                                     share_bodies=self.share_bodies)
         if attempt == 0:
             remove_stale(self.session_folder, sync, inbox=self.rank)
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes this endpoint wrote into the shared folder in the session (every attempt; a body
+        shared by several receivers once)."""
+        return self._written + (self._inner.bytes_written if self._inner is not None else 0)
+
+    def release(self) -> None:
+        """Delete the staged copies of the current attempt's shared bodies (the receivers' links
+        stay): called when an attempt's payload is sent."""
+        if self._inner is not None:
+            self._inner.release()
 
     def _t(self) -> StoreTransport:
         if self._inner is None:
