@@ -55,6 +55,8 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import importlib
+import importlib.machinery
+import importlib.util
 import io
 import json
 import os
@@ -93,10 +95,8 @@ _PACKAGES = ("nemo_rl", "nemo_rl.weight_sync", "nemo_rl.models", "nemo_rl.models
 API_KEY_ENV = "NEMO_DCR_BENCH_REFIT_KEY"
 
 
-def load_nemo_rl(path: str) -> types.SimpleNamespace:
-    """NeMo-RL's sparse-refit modules from the checkout at ``path``: its package ``__init__`` files
-    are not run (each is replaced by an empty package over the same folder) and the checkout is not
-    put on ``sys.path`` (its own ``tests`` package would shadow this project's).
+def check_nemo_rl(path: str) -> Path:
+    """The checkout at ``path``, resolved.
 
     Raises:
         SystemExit: a file of the sparse refit or one of its Python dependencies is missing.
@@ -110,10 +110,23 @@ def load_nemo_rl(path: str) -> types.SimpleNamespace:
     if absent:
         raise SystemExit(f"NeMo-RL's sparse refit needs {', '.join(absent)}: install them into a folder of "
                          f"their own (pip install --target DIR ...) and put it on PYTHONPATH")
+    return root
+
+
+def load_nemo_rl(path: str) -> types.SimpleNamespace:
+    """NeMo-RL's modules from the checkout at ``path`` (checked first), imported on demand with
+    ``.module(name)``: its package ``__init__`` files are not run (each is replaced by an empty
+    package over the same folder) and the checkout is not put on ``sys.path`` (its own ``tests``
+    package would shadow this project's)."""
+    root = check_nemo_rl(path)
     for pkg in _PACKAGES:
         if pkg not in sys.modules:
+            folder = root.joinpath(*pkg.split("."))
             module = types.ModuleType(pkg)
-            module.__path__ = [str(root.joinpath(*pkg.split(".")))]
+            module.__path__ = [str(folder)]
+            module.__file__ = str(folder / "__init__.py")
+            module.__spec__ = importlib.machinery.ModuleSpec(pkg, None, origin=module.__file__, is_package=True)
+            module.__spec__.submodule_search_locations = [str(folder)]
             sys.modules[pkg] = module
     return types.SimpleNamespace(root=root, module=importlib.import_module)
 
@@ -392,7 +405,7 @@ def main(argv=None) -> int:
     p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--nemo-rl", required=True, metavar="PATH", help="a checkout of NVIDIA-NeMo/RL (not installed)")
     args = p.parse_args(argv)
-    load_nemo_rl(args.nemo_rl)  # refuse before anything starts
+    check_nemo_rl(args.nemo_rl)  # refuse before anything starts
     dims = model_dims(args.model, args.layers)
     vdims = StandinDims.of(dims)
     export, shards = plugin_paths(args, dims, vdims)
