@@ -3,7 +3,7 @@ sparse refit (``vllm_zmq_sparse``), run from a NeMo-RL checkout.
 
 Usage:
     python benchmarks/nemo_rl_sparse.py --nemo-rl PATH [--model dense-tiny] [--tp 2] [--layers L]
-        [--syncs N] [--lr LR] [--json OUT]
+        [--syncs N] [--lr LR] [--nemo-rl-refit-cfg JSON] [--json OUT]
 
 ``PATH`` is a checkout of NVIDIA-NeMo/RL with the remote sparse refit
 (``nemo_rl/weight_sync/vllm_remote_sparse_weight_synchronizer.py``; tested at 7ea279abf). Nothing
@@ -226,8 +226,8 @@ class GenerationWorker:
     ``VllmSparseRefitReceiver`` over :class:`CollectiveRpc`, with the delegating methods of
     NeMo-RL's worker; counts the compressed bytes that reach its relay."""
 
-    def __init__(self, nr, workers):
-        self.cfg = {"refit_transport": "vllm_zmq_sparse", "refit_cfg": {},
+    def __init__(self, nr, workers, refit_cfg: dict):
+        self.cfg = {"refit_transport": "vllm_zmq_sparse", "refit_cfg": refit_cfg,
                     "vllm_cfg": {"async_engine": False, "http_refit_api_key_env_var": API_KEY_ENV,
                                  "http_refit_server_port": None, "zmq_refit_server_port": None}}
         self.llm = CollectiveRpc(workers)
@@ -301,7 +301,8 @@ def run_nemo_rl(args, dims, vdims) -> dict:
     logs = tempfile.mkdtemp(prefix="nrl-bench-")
     t0 = time.perf_counter()
     policy = policy_actors(args.tp, log_dir=logs, factory=f"{__name__}:SparsePolicyWorker", model=args.model,
-                           tp=args.tp, layers=args.layers, lr=args.lr, nemo_rl=str(nr.root))
+                           tp=args.tp, layers=args.layers, lr=args.lr, nemo_rl=str(nr.root),
+                           refit_cfg=args.nemo_rl_refit_cfg)
     captured = io.StringIO()
     try:
         cls = sparse_vllm_worker(nr)
@@ -314,7 +315,7 @@ def run_nemo_rl(args, dims, vdims) -> dict:
         del state
         startup = time.perf_counter() - t0
         with contextlib.redirect_stdout(captured):
-            owner = GenerationWorker(nr, workers)
+            owner = GenerationWorker(nr, workers, args.nemo_rl_refit_cfg)
             sync_module = nr.module("nemo_rl.weight_sync.vllm_remote_sparse_weight_synchronizer")
             sync_module.ray = pool  # the module's ray.get / ray.cancel
             sync = sync_module.VllmRemoteSparseWeightSynchronizer(
@@ -397,14 +398,39 @@ def table(result: dict) -> str:
         f"| between policy workers, MiB | {e['route_bytes'] / mib:.3f} | {s['route_bytes'] / mib:.3f} | 0 |",
         f"| relay -> vLLM workers, MiB | - | - | {n['staged_read_bytes'] / mib:.3f} (staged files, read by each) |",
         f"| changed elements | {100 * e['density']:.2f}% | {100 * s['density']:.2f}% | {100 * n['density']:.2f}% |",
+        f"| bit-exact against vLLM's own full load, every sync | yes | yes | yes |",
+    ]
+    ea, sa, ni = result["export"]["attach"], result["shards"]["attach"], result["nemo_rl"]["init"]
+    em, sm = result["export"]["memory_after_attach"], result["shards"]["memory_after_attach"]
+    lines += [
+        f"| first sync (plugin: attach into dummy weights; NeMo-RL: init_communicator, vLLM loaded the "
+        f"checkpoint itself): wall / policy CPU s | {ea['wall_s']:.2f} / {ea['policy_cpu_s']:.2f} "
+        f"| {sa['wall_s']:.2f} / {sa['policy_cpu_s']:.2f} | {ni['wall_s']:.2f} / {ni['policy_cpu_s']:.2f} |",
+        f"| policy worker RSS after it, MiB | {_span(em['policy_rss_mib'])} | {_span(sm['policy_rss_mib'])} "
+        f"| {_span(ni['policy_rss_mib'])} |",
+        f"| kept per policy worker between syncs, MiB | owned copies {_span(_mib(result['export']['syncs'][-1]['held_bytes_per_worker']))} "
+        f"| none | baseline {_span(_mib(ni['baseline_bytes_per_worker']))} (file-backed) |",
     ]
     return "\n".join(lines)
+
+
+def _mib(values):
+    return [v / 2 ** 20 for v in values]
+
+
+def _span(values) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.1f}" if round(lo, 1) == round(hi, 1) else f"{lo:.1f}-{hi:.1f}"
 
 
 def main(argv=None) -> int:
     p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--nemo-rl", required=True, metavar="PATH", help="a checkout of NVIDIA-NeMo/RL (not installed)")
+    p.add_argument("--nemo-rl-refit-cfg", default="{}", metavar="JSON",
+                   help="NeMo-RL's policy.generation.refit_cfg (default: its defaults), e.g. "
+                        '\'{"sparse": {"delta_compression": {"export_chunk_bytes": {"zmq": 16777216}}}}\'')
     args = p.parse_args(argv)
+    args.nemo_rl_refit_cfg = json.loads(args.nemo_rl_refit_cfg)
     check_nemo_rl(args.nemo_rl)  # refuse before anything starts
     dims = model_dims(args.model, args.layers)
     vdims = StandinDims.of(dims)
@@ -413,7 +439,7 @@ def main(argv=None) -> int:
     commit = _git_head(args.nemo_rl)
     result = dict(model=args.model, layers=dims.num_layers, tp=args.tp, policy_workers=args.tp, vllm_workers=args.tp,
                   params=export["attach"]["dense_bytes"] // 2, delta_syncs=args.syncs, lr=args.lr,
-                  nemo_rl_commit=commit, load_average=os.getloadavg(), export=export, shards=shards, nemo_rl=nemo)
+                  nemo_rl_commit=commit, nemo_rl_refit_cfg=args.nemo_rl_refit_cfg, load_average=os.getloadavg(), export=export, shards=shards, nemo_rl=nemo)
     text = json.dumps(result, indent=1, default=str)
     print(text)
     print(table(result))
