@@ -58,15 +58,19 @@ from tests.standins.nemo_rl_standin import Synchronizer, vllm_engines  # noqa: E
 from tests.standins.vllm_standin import StandinDims  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model, topology and training options (shared with ``benchmarks/nemo_rl_sparse.py``)."""
     p.add_argument("--model", default="dense-tiny", help="megatron-core preset (dense Llama family)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size of policy and vLLM (= policy workers)")
     p.add_argument("--layers", type=int, default=None, help="another number of layers")
     p.add_argument("--syncs", type=int, default=3, help="delta syncs per path")
     p.add_argument("--lr", type=float, default=2e-5, help="Adam-like update size")
     p.add_argument("--json", default=None, help="also write the result here")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
 
 
 def _all(calls):
@@ -173,17 +177,21 @@ def run_path(path: str, dims, vdims, args, cfg: dict) -> dict:
                 detail=reports[0]["detail"])
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    dims = model_dims(args.model, args.layers)
-    vdims = StandinDims.of(dims)
+def plugin_paths(args, dims, vdims) -> tuple[dict, dict]:
+    """Both plugin sessions (export path, then shard path) over a fresh refit folder and key."""
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "hmac.key"
         key.write_bytes(secrets.token_bytes(32))
         cfg = {"url": str(Path(tmp) / "refit"), "key_file": str(key), "reply_timeout_s": 600,
                "verify": "incremental", "telemetry_dir": None}
-        export = run_path("export", dims, vdims, args, cfg)
-        shards = run_path("shards", dims, vdims, args, cfg)
+        return run_path("export", dims, vdims, args, cfg), run_path("shards", dims, vdims, args, cfg)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dims = model_dims(args.model, args.layers)
+    vdims = StandinDims.of(dims)
+    export, shards = plugin_paths(args, dims, vdims)
     e, s = export["median_delta"], shards["median_delta"]
     result = dict(
         model=args.model, layers=dims.num_layers, tp=args.tp, policy_workers=args.tp, vllm_workers=args.tp,

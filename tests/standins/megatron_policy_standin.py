@@ -136,13 +136,14 @@ class Actor:
             self._proc.join(5)
 
 
-def policy_actors(world: int, log_dir: str | None = None, **kwargs) -> list[Actor]:
-    """``world`` :class:`MegatronPolicyWorker` actors forming one gloo job (rank order); with
-    ``log_dir`` each prints into ``<log_dir>/policy-<rank>.log``."""
+def policy_actors(world: int, log_dir: str | None = None, factory: str | None = None, **kwargs) -> list[Actor]:
+    """``world`` :class:`MegatronPolicyWorker` actors (or of ``factory``, ``"module:Class"``, a
+    subclass) forming one gloo job (rank order); with ``log_dir`` each prints into
+    ``<log_dir>/policy-<rank>.log``."""
     from tests.distributed.launch import free_port
 
     port = free_port()
-    return [Actor(f"{__name__}:MegatronPolicyWorker", rank, world, port,
+    return [Actor(factory or f"{__name__}:MegatronPolicyWorker", rank, world, port,
                   log=None if log_dir is None else os.path.join(log_dir, f"policy-{rank}.log"), **kwargs)
             for rank in range(world)]
 
