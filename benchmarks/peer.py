@@ -96,7 +96,7 @@ class DcrPath:
         """One refit to ``params``: CPU seconds per phase (and, with a :class:`peer_phases.Probe`,
         of its probed calls per phase under ``"probed"``)."""
         v, clock = self.version + 1, _Clock(probe)
-        deltas = clock("capture", lambda: capture(params, self.store, version=v))
+        deltas = clock("capture", lambda: capture(params, self.store, version=v, threads=self.threads))
 
         def encode():
             current = checksums_after(self.checksums, deltas)

@@ -21,9 +21,14 @@ import torch
 from nemo_dcr.capture.baseline import BaselineStore
 from nemo_dcr.kernels.scan import changed_positions, changes_np
 from nemo_dcr.kernels.traffic import on_host, to_device, to_host
+from nemo_dcr.kernels.workers import map_records
 from nemo_dcr.types import SparseDelta, int_view, spec_of
 
 DEFAULT_CHUNK = 1 << 24
+
+SCANNED_PER_CHANGE = 16
+"""Elements scanned that cost about what one change costs the coder: a param's weight for the
+worker threads (:func:`~nemo_dcr.kernels.workers.map_records`) is its scanned range over this."""
 
 
 def capture(
@@ -34,6 +39,7 @@ def capture(
     version: int | None = None,
     chunk: int = DEFAULT_CHUNK,
     keep_empty: bool = False,
+    threads: int = 1,
 ) -> list[SparseDelta]:
     """Changed elements of every param since the last *committed* baseline.
 
@@ -46,18 +52,24 @@ def capture(
             :meth:`BaselineStore.commit` can apply them once the engine acknowledged.
         chunk: elements compared per step (bounds scratch memory).
         keep_empty: also return deltas with no changed element.
+        threads: worker threads over the params (``dcr.threads``) for host params: the compiled
+            scan releases the GIL, so params are scanned side by side; the deltas are those of
+            one thread, in the same order.
 
     Returns:
         One :class:`SparseDelta` per param (megatron-local index space, sorted positions,
         ``old_bits`` from the baseline).
     """
-    deltas = []
+    items = []
     for name, param in params.items():
         baseline.check(name, param)
         lo, hi = (0, param.numel()) if ranges is None else ranges.get(name, (0, param.numel()))
-        delta = scan_param(name, param, baseline.bits(name), lo, hi, chunk)
-        if delta.nnz or keep_empty:
-            deltas.append(delta)
+        items.append((name, param, baseline.bits(name), lo, hi))
+    if not all(on_host(p) and on_host(b) for _, p, b, _, _ in items):
+        threads = 1  # a device scan is one stream of torch ops: threads add nothing
+    scanned = map_records(lambda it: scan_param(*it, chunk), items, threads,
+                          lambda it: max(0, it[4] - it[3]) // SCANNED_PER_CHANGE)
+    deltas = [d for d in scanned if d.nnz or keep_empty]
     if version is not None:
         baseline.stage(version, deltas)
     return deltas

@@ -40,28 +40,25 @@ def njit(fn):
     return numba.njit(cache=True, nogil=True)(fn)
 
 
-@intrinsic
-def cttz(typingctx, x):
-    """Trailing zero bits of a non-zero unsigned integer (one ``tzcnt``; undefined for 0)."""
-    if not isinstance(x, types.Integer):
-        return None
+def _zero_bits(op: str, doc: str):
+    """An intrinsic counting the zero bits at one end of a non-zero unsigned integer with LLVM's
+    ``op`` (``cttz``, ``ctlz``: one instruction; undefined for 0)."""
+    def impl(typingctx, x):
+        if not isinstance(x, types.Integer):
+            return None
 
-    def codegen(context, builder, signature, args):
-        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+        def codegen(context, builder, signature, args):
+            return getattr(builder, op)(args[0], ir.Constant(ir.IntType(1), 1))
 
-    return x(x), codegen
+        return x(x), codegen
+
+    impl.__name__ = impl.__qualname__ = op
+    impl.__doc__ = doc
+    return intrinsic(impl)
 
 
-@intrinsic
-def ctlz(typingctx, x):
-    """Leading zero bits of a non-zero unsigned integer (one ``lzcnt``; undefined for 0)."""
-    if not isinstance(x, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 1))
-
-    return x(x), codegen
+cttz = _zero_bits("cttz", "Trailing zero bits of a non-zero unsigned integer (one ``tzcnt``; undefined for 0).")
+ctlz = _zero_bits("ctlz", "Leading zero bits of a non-zero unsigned integer (one ``lzcnt``; undefined for 0).")
 
 
 AHEAD = 64

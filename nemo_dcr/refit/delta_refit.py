@@ -267,7 +267,8 @@ class DeltaRefit:
 
     def _capture_pieces(self, version: int, clock: PhaseClock) -> list[SparseDelta]:
         with clock(Phase.CAPTURE):
-            deltas = capture(self.source.params, self.store, self.source.ranges, version=version)
+            deltas = capture(self.source.params, self.store, self.source.ranges, version=version,
+                             threads=self.sender.threads)
         with clock(Phase.REMAP):
             return [p for d in deltas for p in self.source.remap(d)]
 

@@ -21,18 +21,9 @@
 #   NEMO_DCR_KEY_FILE    HMAC key file, created with 32 random bytes if missing (default /shared/nemo_dcr/hmac.key)
 #   NEMO_RL_RUN          how to run Python in NeMo-RL's environment (default: "uv run python")
 set -euo pipefail
-: "${NEMO_RL_DIR:?set NEMO_RL_DIR to a NeMo-RL checkout (see docs/nemo_rl.md)}"
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-config="${NEMO_DCR_CONFIG:-$here/configs/nemo_rl/grpo_math_1B_megatron_dcr.yaml}"
-export NEMO_RL_DIR="$(cd "$NEMO_RL_DIR" && pwd)"
-export NEMO_DCR_REFIT_DIR="${NEMO_DCR_REFIT_DIR:-/shared/nemo_dcr/refit}"
-export NEMO_DCR_KEY_FILE="${NEMO_DCR_KEY_FILE:-/shared/nemo_dcr/hmac.key}"
-[ -f "$NEMO_RL_DIR/examples/run_grpo.py" ] || { echo "no examples/run_grpo.py in $NEMO_RL_DIR" >&2; exit 2; }
-mkdir -p "$NEMO_DCR_REFIT_DIR" "$(dirname "$NEMO_DCR_KEY_FILE")"
-if [ ! -f "$NEMO_DCR_KEY_FILE" ]; then
-  (umask 077 && head -c 32 /dev/urandom > "$NEMO_DCR_KEY_FILE")
-  echo "[nemo-dcr] created the HMAC key $NEMO_DCR_KEY_FILE (every worker must read the same file)" >&2
-fi
+# shellcheck source=recipes/nemo_rl/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+dcr_shared_files examples/run_grpo.py
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 cd "$NEMO_RL_DIR"
 # shellcheck disable=SC2086  # NEMO_RL_RUN is a command line

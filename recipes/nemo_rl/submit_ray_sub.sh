@@ -23,22 +23,13 @@
 # passed through unchanged.  The nemo_dcr checkout must be visible at the same path in the
 # containers (add it to MOUNTS).
 set -euo pipefail
-: "${NEMO_RL_DIR:?set NEMO_RL_DIR to a NeMo-RL checkout (see docs/nemo_rl.md)}"
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-config="${NEMO_DCR_CONFIG:-$here/configs/nemo_rl/grpo_math_1B_megatron_dcr.yaml}"
-export NEMO_RL_DIR="$(cd "$NEMO_RL_DIR" && pwd)"
-export NEMO_DCR_REFIT_DIR="${NEMO_DCR_REFIT_DIR:-/shared/nemo_dcr/refit}"
-export NEMO_DCR_KEY_FILE="${NEMO_DCR_KEY_FILE:-/shared/nemo_dcr/hmac.key}"
+# shellcheck source=recipes/nemo_rl/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 run="${NEMO_RL_RUN:-uv run python}"
 sbatch_args=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do sbatch_args+=("$1"); shift; done
 [ $# -gt 0 ] && shift
-[ -f "$NEMO_RL_DIR/ray.sub" ] || { echo "no ray.sub in $NEMO_RL_DIR" >&2; exit 2; }
-mkdir -p "$NEMO_DCR_REFIT_DIR" "$(dirname "$NEMO_DCR_KEY_FILE")"
-if [ ! -f "$NEMO_DCR_KEY_FILE" ]; then
-  (umask 077 && head -c 32 /dev/urandom > "$NEMO_DCR_KEY_FILE")
-  echo "[nemo-dcr] created the HMAC key $NEMO_DCR_KEY_FILE (every node must read the same file)" >&2
-fi
+dcr_shared_files ray.sub
 driver=(-m nemo_dcr.integrations.nemo_rl.driver examples/run_grpo.py --config "$config" "$@")
 if [ "${NEMO_DCR_SKIP_CHECK:-0}" != 1 ]; then
   # shellcheck disable=SC2086  # NEMO_RL_RUN is a command line

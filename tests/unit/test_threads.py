@@ -13,6 +13,8 @@ from nemo_dcr.apply import ApplyVerificationError, InjectedFault, TensorEngine, 
 from nemo_dcr.codec import DcrIndexes, Identity, decode, diff_tensors, encode_deltas
 from nemo_dcr.codec import payload as payload_mod
 from nemo_dcr.codec.errors import BaseChecksumMismatchError
+from nemo_dcr.capture import scan as scan_mod
+from nemo_dcr.capture.baseline import BaselineStore, BaselineError
 from nemo_dcr.config import ConfigError, DcrConfig
 from nemo_dcr.kernels import workers
 from nemo_dcr.kernels.workers import resolve_threads
@@ -64,6 +66,35 @@ def test_encode_bytes_are_those_of_one_thread(monkeypatch, encoding):
     ran_on.clear()
     assert _payload(model, target, 3, encoding) == one
     assert any(n.startswith("nemo-dcr-worker") for n in ran_on)
+
+
+def test_capture_scans_params_side_by_side_with_the_deltas_of_one_thread(monkeypatch):
+    model = _model()
+    target = _step(model)
+    ranges = {"layer1.weight": (100, 2000), "layer2.weight": (0, 0)}  # a slice, and a param not owned
+    ran_on = set()
+    scan_param = scan_mod.scan_param
+
+    def spy(*a, **k):
+        ran_on.add(threading.current_thread().name)
+        return scan_param(*a, **k)
+
+    monkeypatch.setattr(scan_mod, "scan_param", spy)
+    got = {}
+    for threads in (1, 3):
+        store = BaselineStore("pinned")
+        for n, t in model.items():
+            store.register(n, t)
+        got[threads] = scan_mod.capture(target, store, ranges, version=1, chunk=1000, threads=threads)
+        assert store.pending_versions() == [1]
+    assert [d.name for d in got[3]] == [d.name for d in got[1]] and "layer2.weight" not in [d.name for d in got[1]]
+    for a, b in zip(got[1], got[3]):
+        assert a.nnz and all(torch.equal(torch.as_tensor(getattr(a, f)), torch.as_tensor(getattr(b, f)))
+                             for f in ("positions", "new_bits", "old_bits"))
+    assert any(n.startswith("nemo-dcr-worker") for n in ran_on)
+    bad = dict(target, **{"layer3.weight": target["layer3.weight"].float()})
+    with pytest.raises(BaselineError, match="layer3.weight"):  # checked before any worker starts
+        scan_mod.capture(bad, store, threads=3)
 
 
 def test_engine_state_is_that_of_one_thread():
