@@ -398,7 +398,7 @@ def table(result: dict) -> str:
         f"| between policy workers, MiB | {e['route_bytes'] / mib:.3f} | {s['route_bytes'] / mib:.3f} | 0 |",
         f"| relay -> vLLM workers, MiB | - | - | {n['staged_read_bytes'] / mib:.3f} (staged files, read by each) |",
         f"| changed elements | {100 * e['density']:.2f}% | {100 * s['density']:.2f}% | {100 * n['density']:.2f}% |",
-        f"| bit-exact against vLLM's own full load, every sync | yes | yes | yes |",
+        "| bit-exact against vLLM's own full load, every sync | yes | yes | yes |",
     ]
     ea, sa, ni = result["export"]["attach"], result["shards"]["attach"], result["nemo_rl"]["init"]
     em, sm = result["export"]["memory_after_attach"], result["shards"]["memory_after_attach"]

@@ -40,9 +40,9 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from nemo_dcr.types import int_view, spec_of
+from nemo_dcr.types import int_view
 
-from .placement import Fills, PlacementError, Runs, TensorPlacement
+from .placement import Fills, Runs, TensorPlacement
 from .write_guard import Protected, WriteGuard, Writes, live_tensors, record_writes
 
 SHADOW = "dcr.shadow:"

@@ -17,7 +17,6 @@ import torch
 
 from nemo_dcr.kernels.traffic import host_bits
 from nemo_dcr.types import SparseDelta, spec_of
-from nemo_dcr.verify.checksum import tensor_checksum
 from nemo_dcr.verify.sample import Sample, whole_checksum
 
 

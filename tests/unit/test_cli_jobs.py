@@ -108,7 +108,6 @@ def test_a_failed_demo_names_the_ranks_errors_once(tmp_path):
 
 def test_the_engine_process_says_how_it_died():
     import multiprocessing as mp
-    import signal
 
     from nemo_dcr.tools.demo.engine_process import EngineProcess
 

@@ -13,7 +13,7 @@ from nemo_dcr.apply import InjectedFault, TensorEngine
 from nemo_dcr.apply.placement import assign_primary
 from nemo_dcr.apply.probe import probe_engine
 from nemo_dcr.config.schema import ConfigError, DcrConfig
-from nemo_dcr.integrations.vllm.worker import get_loader, set_loader
+from nemo_dcr.integrations.vllm.worker import set_loader
 from nemo_dcr.refit import DeltaRefit, EngineServer, engine_wiring
 from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import LocalGroup

@@ -90,7 +90,7 @@ def test_ray_sub_submission_checks_first_then_installs_and_runs_through_the_driv
     assert done.returncode == 0, done.stderr
     config = ROOT / "configs" / "nemo_rl" / "grpo_math_1B_megatron_dcr.yaml"
     check, sbatch, setup = log.read_text().splitlines()
-    driver = f"-m nemo_dcr.integrations.nemo_rl.driver"
+    driver = "-m nemo_dcr.integrations.nemo_rl.driver"
     assert check == f"python {driver} --check-only examples/run_grpo.py --config {config} grpo.max_num_steps=3"
     assert sbatch == "sbatch --nodes=2 ray.sub" and len((tmp_path / "k" / "hmac.key").read_bytes()) == 32
     assert setup.endswith(f"NEMO_DCR_PREFETCH=1 NEMO_RL_DIR={rl} {ROOT}/recipes/nemo_rl/install_into_workers.sh")

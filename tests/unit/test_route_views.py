@@ -124,6 +124,7 @@ def test_view_coded_route_round_trips_bit_exact_and_keeps_and_moves_views():
     for r in routers:
         r.end(True)
     indexes = {id(v.index) for r in routers for _, v in _views(r)}
+    prev, before = {}, {}  # step 2's changes and baseline, for step 3
     for step, committed in ((1, True), (2, False), (3, True)):
         old = {n: b.copy() for n, b in bits.items()}
         changed = _step(bits, rng)

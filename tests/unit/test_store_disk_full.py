@@ -59,7 +59,7 @@ def test_the_refit_fails_clearly_on_a_full_store_and_recovers_when_space_returns
         trainer.step()
         r = refit.step()
         assert not r.committed and refit.sender.uncertain
-        assert any(f"could not send to engine rank 1" in d for d in r.detected), r.detected
+        assert any("could not send to engine rank 1" in d for d in r.detected), r.detected
         assert any("No space left on device" in d or "Permission denied" in d for d in r.detected), r.detected
         assert engine.version == 1 and all(torch.equal(int_view(held[n]), int_view(t)) for n, t in engine.tensors.items())
         assert not [p for p in _published(scarce) if ".tmp-" in p]

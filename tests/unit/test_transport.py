@@ -6,7 +6,6 @@ import threading
 from dataclasses import replace
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from nemo_dcr.transport import (
@@ -15,7 +14,6 @@ from nemo_dcr.transport import (
     InProcHub,
     MessageKind,
     TransportError,
-    TransportUnavailableError,
 )
 
 KEY = b"s" * 32

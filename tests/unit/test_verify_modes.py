@@ -26,7 +26,7 @@ from nemo_dcr.apply import TensorEngine
 from nemo_dcr.apply.placement import Runs, assign_primary
 from nemo_dcr.apply.probe import probe_engine
 from nemo_dcr.config.schema import DcrConfig
-from nemo_dcr.integrations.vllm.worker import get_loader, set_loader
+from nemo_dcr.integrations.vllm.worker import set_loader
 from nemo_dcr.refit import DeltaRefit, EngineServer, colocated_wiring, engine_wiring
 from nemo_dcr.refit.canonical import CanonicalSource
 from nemo_dcr.refit.group import LocalGroup

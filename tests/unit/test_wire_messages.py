@@ -20,7 +20,6 @@ from nemo_dcr.refit.messages import Ask, EngineReply, MessageFormatError, Query
 from nemo_dcr.refit.route_views import Router
 from nemo_dcr.refit.routing import Coding, PackEntry, RoutingPackError, gather_captured, pack, unpack
 from nemo_dcr.transport import Envelope, MessageKind, TransportError
-from nemo_dcr.types import SparseDelta
 from nemo_dcr.verify.checksum import tensor_checksum
 from nemo_dcr.verify.sample import Sample
 

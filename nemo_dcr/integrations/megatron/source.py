@@ -31,7 +31,7 @@ import torch
 from nemo_dcr.layout import LayoutError, MegatronSpec, ModelDims, ParallelLayout, build_chunk_plans, chunk_layers
 from nemo_dcr.kernels.traffic import host_bits
 from nemo_dcr.types import SparseDelta, spec_of
-from nemo_dcr.verify.checksum import MASK64, hash_sum
+from nemo_dcr.verify.checksum import MASK64
 from nemo_dcr.verify.sample import Sample, runs_checksum
 
 from .params import LocalParam, capture_ranges, local_params, unwrap

@@ -33,7 +33,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 from nemo_dcr.apply import ApplyResult, EngineChecksums, EngineRefusedError, Parts, RefitRefusedError, VersionGuard
 from nemo_dcr.apply.contract import shard_parts
@@ -44,6 +44,9 @@ from nemo_dcr.verify.checksum import MASK64
 from nemo_dcr.verify.sample import Sample
 
 from . import WORKER_EXTENSION
+
+if TYPE_CHECKING:
+    import torch
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
