@@ -52,7 +52,7 @@ from nemo_dcr.verify.checksum import checksums_after
 
 from .fp8_mirror import sender_mirror
 from .group import TrainerGroup
-from .messages import Ask
+from .messages import ENGINE_SECONDS, Ask
 from .refit_report import RefitReport
 from .route_views import Router
 from .routing import assign_owners, gather_captured
@@ -297,7 +297,8 @@ class DeltaRefit:
         hosts, links = self._host_links(report)
         summed = self.group.sum_ints(local + links)
         summed, links = summed[:len(local)], summed[len(local):]
-        slowest = self.group.max_floats([report.times.get(TOTAL, 0.0)])[0]
+        slowest, *engine = self.group.max_floats([report.times.get(TOTAL, 0.0)] +  # every key on every rank
+                                                 [report.engine_seconds.get(k, -1.0) for k in ENGINE_SECONDS])
         numel = {k: 0 for k in kinds}
         for n, (dtype, shape) in self.source.canonical.items():
             numel[layer_type(n)] += _numel(shape)
@@ -311,7 +312,7 @@ class DeltaRefit:
         return replace(report, changed=summed[0], payload_bytes=summed[1], numel=sum(numel.values()),
                        dense_bytes=summed[2], by_layer_type=by_kind, bytes_by_encoding=sizes, engine_format=counts,
                        route_bytes=sum(v["trainer_to_trainer"] for v in by_host.values()), bytes_by_host=by_host,
-                       fanout_bytes=fanout, host_device_bytes=crossed,
+                       fanout_bytes=fanout, host_device_bytes=crossed, engine_seconds={k: v for k, v in zip(ENGINE_SECONDS, engine) if v >= 0},
                        times={**report.times, TOTAL_SLOWEST_RANK: slowest})
 
     def _host_links(self, report: RefitReport) -> tuple[list[str], list[int]]:

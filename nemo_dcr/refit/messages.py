@@ -70,6 +70,12 @@ def _int(value: Any, what: str, low: int = 0) -> int:
     return value
 
 
+def _seconds(value: Any, what: str) -> float:
+    if type(value) not in (int, float) or not 0 <= value < 1e9:
+        raise MessageFormatError(f"{what} must be a number of seconds in [0, 1e9), got {value!r}")
+    return float(value)
+
+
 def _map(value: Any, what: str, parse: Callable[[Any, str], Any], key: re.Pattern | None = None) -> dict:
     if not isinstance(value, dict):
         raise MessageFormatError(f"{what} must be an object, got {type(value).__name__}")
@@ -148,7 +154,11 @@ class Query:
         return cls(Ask(obj["ask"]), _int(obj["id"], f"{what} id"), sample)
 
 
-_REPLY_KEYS = ("ok", "version", "query", "reason", "checksums", "views", "digests", "touched", "placement")
+_REPLY_KEYS = ("ok", "version", "query", "reason", "checksums", "views", "digests", "touched", "placement",
+               "seconds")
+ENGINE_SECONDS = ("parts", "apply", "checksums")
+"""Keys of an ACK's or NACK's ``seconds``: from the version's first part arriving to its last,
+the decode and transactional apply, the checksums after it (wall seconds on the engine rank)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,8 @@ class EngineReply:
         views: shard -> per-tensor checksums of the elements that shard holds, in its view index
             space (engines holding shards; replicas included, unlike ``checksums``).
         query: the query a STATE reply answers (None for ACK and NACK).
+        seconds: the engine rank's wall seconds of the version (ACK, NACK; keys of
+            :data:`ENGINE_SECONDS`), empty for a STATE.
     """
 
     ok: bool
@@ -177,6 +189,7 @@ class EngineReply:
     placement: list[dict] = field(default_factory=list)
     views: dict[int, dict[str, int]] = field(default_factory=dict)
     query: Query | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         """UTF-8 JSON, keys in the order of docs/wire_format.md (checksums as 16 hex digits)."""
@@ -185,7 +198,8 @@ class EngineReply:
             query=None if self.query is None else self.query.to_json(),
             reason=self.reason, checksums=_hexes(self.checksums),
             views={str(s): _hexes(v) for s, v in sorted(self.views.items())},
-            digests=self.digests, touched=self.touched, placement=self.placement)).encode()
+            digests=self.digests, touched=self.touched, placement=self.placement,
+            seconds={k: round(v, 6) for k, v in self.seconds.items()})).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "EngineReply":
@@ -202,11 +216,15 @@ class EngineReply:
             raise MessageFormatError("engine reply: placement must be a list of objects (one per shard)")
         query = None if o["query"] is None else Query.from_json(o["query"], "engine reply query")
         views = _map(o["views"], "engine reply views", lambda v, w: _map(v, w, _checksum), _SHARD)
+        seconds = _map(o["seconds"], "engine reply seconds", _seconds)
+        odd = sorted(set(seconds) - set(ENGINE_SECONDS))
+        if odd:
+            raise MessageFormatError(f"engine reply seconds: unknown keys {odd} (keys: {list(ENGINE_SECONDS)})")
         return cls(o["ok"], _int(o["version"], "engine reply version"), o["reason"],
                    _ints(_map(o["checksums"], "engine reply checksums", _checksum)),
                    _map(o["digests"], "engine reply digests", _digest),
                    _map(o["touched"], "engine reply touched", _int), o["placement"],
-                   {int(s): _ints(v) for s, v in views.items()}, query)
+                   {int(s): _ints(v) for s, v in views.items()}, query, seconds)
 
 
 def _hexes(values: Mapping[str, int]) -> dict[str, str]:

@@ -65,6 +65,11 @@ class RefitReport:
         host_device_bytes: bytes the trainer ranks copied between host and device in this refit
             (``to_host``, ``to_device``; summed over the ranks; the capture scan's changes and the
             baseline's commit on a GPU trainer, :mod:`nemo_dcr.kernels.traffic`); zeros for attach (not measured).
+        engine_seconds: the slowest engine rank's wall seconds of the version this refit committed
+            or was refused (from the engines' replies, ``parts``, ``apply``, ``checksums``:
+            :data:`nemo_dcr.refit.messages.ENGINE_SECONDS`; the largest over engine and trainer
+            ranks, each key on its own): the engines' share of :attr:`times` ``await``.  Empty
+            where no version reached the engines.
     """
 
     version: int
@@ -87,6 +92,7 @@ class RefitReport:
     host_device_bytes: dict[str, int] = field(default_factory=dict)
     detached: tuple[int, ...] = ()
     resynced_ranks: tuple[int, ...] = ()
+    engine_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def bytes_on_links(self) -> dict[str, int]:

@@ -458,7 +458,7 @@ class RefitSender:
             k["changed"] += d.nnz
         return RefitReport(version, "delta", True, False, tuple(self._detected), changed, payload_bytes=sent,
                            bytes_by_encoding={self.cfg.encoding: sent, **sizes}, by_layer_type=kinds,
-                           times=clock.seconds, verify=report, engine_format=fmt)
+                           times=clock.seconds, verify=report, engine_format=fmt, engine_seconds=_slowest(replies))
 
     def _failed(self, version: int, mode: str, changed: int, sent: int, clock: PhaseClock,
                 verify: VerifyReport | None = None) -> RefitReport:
@@ -586,7 +586,16 @@ class RefitSender:
         if not after.ok:
             self._detected.append("checksum mismatch after resync: " + after.describe())
         return RefitReport(target, mode, after.ok, True, tuple(self._detected), changed, payload_bytes=sent,
-                           times=clock.seconds, verify=after)
+                           times=clock.seconds, verify=after, engine_seconds=_slowest(replies))
+
+
+def _slowest(replies: Sequence[EngineReply]) -> dict[str, float]:
+    """The largest of each ``seconds`` key over the engine ranks' replies."""
+    out: dict[str, float] = {}
+    for r in replies:
+        for k, v in r.seconds.items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
 
 
 def _each_rank(totals: Mapping[str, int], ranks: Sequence[int], replies: Sequence[EngineReply], version: int,

@@ -10,6 +10,7 @@ old version, bit for bit (:mod:`nemo_dcr.apply.transaction`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -55,6 +56,7 @@ class EngineServer:
         self.senders = list(senders)
         self.stats = ServerStats()
         self._parts: dict[tuple[int, int], dict[int, dict[int, Envelope]]] = {}
+        self._first: dict[tuple[int, int], float] = {}  # when a version's first part arrived
 
     def serve(self, timeout: float | None = None) -> None:
         """Handle messages until a STOP arrives."""
@@ -104,6 +106,7 @@ class EngineServer:
             self.stats.replays_dropped += 1
             self.stats.note(env.version, "replay", f"part {env.part} from {env.sender}")
             return
+        self._first.setdefault((int(env.kind), env.version), time.perf_counter())
         per_sender = self._parts.setdefault((int(env.kind), env.version), {})
         got = per_sender.setdefault(env.sender, {})
         if env.part in got:
@@ -116,26 +119,35 @@ class EngineServer:
         got[env.part] = env
         if all(s in per_sender and _finished(per_sender[s]) for s in self.senders):
             del self._parts[(int(env.kind), env.version)]
-            self._complete(env.kind, env.version, per_sender)
+            first = self._first.pop((int(env.kind), env.version))
+            self._complete(env.kind, env.version, per_sender, {"parts": time.perf_counter() - first})
 
-    def _complete(self, kind: MessageKind, version: int, per_sender) -> None:
+    def _complete(self, kind: MessageKind, version: int, per_sender, seconds: dict[str, float]) -> None:
+        """Apply a version whose parts all arrived and answer every sender; ``seconds`` (the parts'
+        arrival) gets the apply's and the checksums' wall seconds (the reply's ``seconds``)."""
         missing = [s for s in self.senders if len(per_sender[s]) != _last(per_sender[s]) + 1]
         if missing:
-            self._refuse(version, "MissingPartError", f"parts missing from senders {missing}")
+            self._refuse(version, "MissingPartError", f"parts missing from senders {missing}", seconds)
             return
+        t0 = time.perf_counter()
         try:
             result = apply_version(self.engine, self._parts_by_shard(per_sender), resync=kind == MessageKind.RESYNC)
         except Exception as exc:  # refused or rolled back: the engine holds its old version
-            self._refuse(version, type(exc).__name__, str(exc)[:500])
+            seconds["apply"] = time.perf_counter() - t0
+            self._refuse(version, type(exc).__name__, str(exc)[:500], seconds)
             return
+        t1 = time.perf_counter()
         self.stats.committed += 1
         self.stats.resyncs += int(result.resync)
         self.stats.note(version, "committed", "resync" if result.resync else "delta")
         ck = self.engine.checksums()
-        reply = EngineReply(True, self.engine.version, checksums=ck.canonical, touched=result.touched, views=ck.views)
+        seconds.update(apply=t1 - t0, checksums=time.perf_counter() - t1)
+        reply = EngineReply(True, self.engine.version, checksums=ck.canonical, touched=result.touched, views=ck.views,
+                            seconds=seconds)
         self._reply(MessageKind.ACK, version, self.senders, reply)
         for key in [k for k in self._parts if k[1] <= self.engine.version]:
             del self._parts[key]
+            self._first.pop(key, None)
 
     def _parts_by_shard(self, per_sender) -> dict[int, list[bytes]]:
         """Every sender's bodies in part order, by the shard each envelope names."""
@@ -146,10 +158,10 @@ class EngineServer:
                     by_shard.setdefault(e.shard, []).append(e.body)
         return by_shard
 
-    def _refuse(self, version: int, kind: str, message: str) -> None:
+    def _refuse(self, version: int, kind: str, message: str, seconds: dict[str, float] | None = None) -> None:
         self.stats.refused[kind] = self.stats.refused.get(kind, 0) + 1
         self.stats.note(version, "refused", f"{kind}: {message}")
-        reply = EngineReply(False, self.engine.version, reason=f"{kind}: {message}")
+        reply = EngineReply(False, self.engine.version, reason=f"{kind}: {message}", seconds=seconds or {})
         self._reply(MessageKind.NACK, version, self.senders, reply)
 
     def _reply(self, kind: MessageKind, version: int, dsts, reply: EngineReply) -> None:

@@ -61,6 +61,8 @@ OPTIONAL = {
     "detached": "engine ranks found lost in the refit and detached (their process died; refit/replicas.py)",
     "resynced_ranks": "engine ranks a resync was sent to in the refit (as sent)",
     "recovered": "NeMo-RL plugin: failures of the sync's first attempt that its resync recovered from",
+    "engine_seconds": "the slowest engine rank's seconds of the refit's version: parts (first to last part "
+                      "arriving), apply (decode + transactional apply), checksums (after it); part of times.await",
 }
 """Keys a producer may add (name -> meaning); :func:`step_record` refuses any other."""
 
@@ -96,6 +98,8 @@ def step_record(step: int, report, **extra) -> dict:
     for key in ("detached", "resynced_ranks"):  # written where the refit had any
         if getattr(report, key):
             row[key] = list(getattr(report, key))
+    if report.engine_seconds:
+        row["engine_seconds"] = {k: round(v, 6) for k, v in report.engine_seconds.items()}
     check_row(row)
     return row
 

@@ -16,6 +16,7 @@ from nemo_dcr.apply import InjectedFault, TensorEngine
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.refit import DeltaRefit, colocated_wiring
 from nemo_dcr.refit.routing import merge
+from nemo_dcr.telemetry.jsonl import step_record
 from nemo_dcr.transport import Envelope
 from nemo_dcr.types import SparseDelta, int_view
 from tests.standins.shard_trainer import ShardTrainer
@@ -64,6 +65,10 @@ def test_attach_resyncs_an_empty_engine_then_sparse_refits(rig):
         assert 0 < r.changed < sum(p.numel() for p in trainer.params.values())
         assert set(r.bytes_by_encoding) == {"dcr", "reference"} and r.bytes_by_encoding["dcr"] == r.payload_bytes
         assert r.verify.full == (step % 3 == 0)
+        # the engine's own seconds of the version, from its ACK: within the trainer's wait for it
+        assert set(r.engine_seconds) == {"parts", "apply", "checksums"}
+        assert r.engine_seconds["apply"] + r.engine_seconds["checksums"] <= r.times["await"] + r.times["send"]
+        assert step_record(step, r)["engine_seconds"] == {k: round(v, 6) for k, v in r.engine_seconds.items()}
     r = refit.step()  # nothing changed: an empty delta still moves the version
     assert r.changed == 0 and r.committed and engine.version == r.version
 

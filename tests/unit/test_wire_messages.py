@@ -165,10 +165,10 @@ REPLY = EngineReply(True, 4, checksums={"w": 0x0123456789ABCDEF}, views={1: {"w"
 def test_engine_reply_bytes():
     want = json.dumps({"ok": True, "version": 4, "query": {"ask": "state", "id": 2}, "reason": "",
                        "checksums": {"w": "0123456789abcdef"}, "views": {"1": {"w": "0000000000000005"}},
-                       "digests": {}, "touched": {"w": 3}, "placement": []}).encode()
+                       "digests": {}, "touched": {"w": 3}, "placement": [], "seconds": {}}).encode()
     assert REPLY.to_bytes() == want
     assert EngineReply.from_bytes(want) == REPLY
-    nack = EngineReply(False, 2, reason="VersionMismatchError: stale")
+    nack = EngineReply(False, 2, reason="VersionMismatchError: stale", seconds={"parts": 0.5, "apply": 1})
     assert EngineReply.from_bytes(nack.to_bytes()) == nack and b'"query": null' in nack.to_bytes()
 
 
@@ -196,6 +196,9 @@ def _reply(**change) -> bytes:
     (_reply(touched={"w": -2}), r"touched\['w'\] must be an integer"),
     (_reply(placement={}), "placement must be a list of objects"),
     (_reply(query={"ask": "state"}), r"engine reply query: missing keys \['id'\]"),
+    (_reply(seconds={"apply": -1}), r"seconds\['apply'\] must be a number of seconds"),
+    (_reply(seconds={"apply": True}), r"seconds\['apply'\] must be a number of seconds"),
+    (_reply(seconds={"decode": 1.0}), r"engine reply seconds: unknown keys \['decode'\]"),
 ])
 def test_malformed_replies_are_refused_naming_what(data, why):
     with pytest.raises(MessageFormatError, match=why):

@@ -86,6 +86,8 @@ def summarize(cfg, steps: list[dict], init, seconds: float, dense_method: str) -
         "attach_resynced": init.resynced, "attach_phase_seconds": dict(init.times),
         "phase_seconds_mean": {k: _mean(s["times"].get(k) for s in steps)
                                for k in sorted({k for s in steps for k in s["times"]})},
+        "engine_seconds_mean": {k: _mean(s.get("engine_seconds", {}).get(k) for s in steps)
+                                for k in sorted({k for s in steps for k in s.get("engine_seconds", {})})},
         "modes": [s["mode"] for s in steps], "wall_seconds": seconds,
         "engine_weights": cfg.engine.weights, **_fp8_summary(steps),
     }
