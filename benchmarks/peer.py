@@ -19,9 +19,10 @@ random tenth of the changed elements; after every move each path refits its engi
 Every time is CPU time of this process (``time.process_time``) on one core (torch and numba on
 ``--threads`` threads, default 1), the best of ``--reps`` forward/back pairs; each engine copy is
 checked bit-exact against the trainer after every refit.  ``--dcr-threads`` is the project's
-paths' ``dcr.threads`` (worker threads over a part's records on both sides, default 1); their
-wall seconds are printed too (``send_wall``, ``receive_wall``, ``total_wall``), since with
-several threads CPU time sums over them.  Prints one JSON object: per-phase
+paths' ``dcr.threads`` (worker threads over the params of the capture scan and a part's records
+on both sides, default 1); every path's wall seconds are printed too (``send_wall``,
+``receive_wall``, ``total_wall``; the project's paths also ``capture_wall``), since with several
+threads CPU time sums over them.  Prints one JSON object: per-phase
 seconds, send/receive/total, bytes per changed element, the ratios against the NeMo-RL-style
 path measured in the same run, and the ratio of a step's cost to its tenth's.  The per-phase
 ns per change of the project's own path are in ``--phases`` (:mod:`peer_phases`).
@@ -117,7 +118,7 @@ class DcrPath:
         self.checksums, self.version = current, v
         t, w = clock.seconds, clock.wall
         return {**t, "send": t["capture"] + t["encode"] + t["commit"], "receive": t["prepare"] + t["engine_commit"],
-                "send_wall": w["capture"] + w["encode"] + w["commit"],
+                "capture_wall": w["capture"], "send_wall": w["capture"] + w["encode"] + w["commit"],
                 "receive_wall": w["prepare"] + w["engine_commit"], "bytes": sum(map(len, parts)),
                 "probed": clock.probed}
 
@@ -135,12 +136,15 @@ class PeerPath:
 
     def refit(self, params: dict[str, torch.Tensor]) -> dict:
         t = peer_codec.PeerTimes()
+        w0 = time.perf_counter()
         payload = peer_codec.send(self.names, params, self.baseline, t)
+        w1 = time.perf_counter()
         peer_codec.receive(self.names, self.engine, payload, t)
+        w2 = time.perf_counter()
         times = {"scan": t.scan, "pack": t.pack, "zstd": t.zstd, "commit": t.commit, "unzstd": t.unzstd,
                  "scatter": t.scatter}
         return {**times, "send": t.scan + t.pack + t.zstd + t.commit, "receive": t.unzstd + t.scatter,
-                "bytes": len(payload)}
+                "send_wall": w1 - w0, "receive_wall": w2 - w1, "bytes": len(payload)}
 
     def live(self) -> dict[str, torch.Tensor]:
         return self.engine
