@@ -11,7 +11,7 @@ old version, bit for bit (:mod:`nemo_dcr.apply.transaction`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from nemo_dcr.apply import Engine, apply_version
@@ -29,6 +29,9 @@ class ServerStats:
     committed: int = 0
     resyncs: int = 0
     refused: dict[str, int] = field(default_factory=dict)
+    answers_shared: int = 0
+    """Queries answered with the answer computed for another sender's same query at the same
+    version (one computation per round of the trainer ranks' queries)."""
     replays_dropped: int = 0
     duplicates_dropped: int = 0
     reordered: int = 0
@@ -38,6 +41,11 @@ class ServerStats:
     def note(self, version: int, what: str, detail: str = "") -> None:
         """Record one event of ``version``."""
         self.events.append((version, what, detail))
+
+
+SHARED_ANSWER_S = 10.0
+"""Seconds an engine rank's answer to a query is given to the other trainer ranks asking the
+same (:meth:`EngineServer._answer`); later, the same query is computed anew."""
 
 
 class EngineServer:
@@ -57,6 +65,7 @@ class EngineServer:
         self.stats = ServerStats()
         self._parts: dict[tuple[int, int], dict[int, dict[int, Envelope]]] = {}
         self._first: dict[tuple[int, int], float] = {}  # when a version's first part arrived
+        self._shared: tuple[tuple, EngineReply, set[int], float] | None = None  # key, answer, senders, when
 
     def serve(self, timeout: float | None = None) -> None:
         """Handle messages until a STOP arrives."""
@@ -70,12 +79,20 @@ class EngineServer:
         if env.kind == MessageKind.QUERY:
             self._reply(MessageKind.STATE, self.engine.version, [env.sender], self._answer(env))
         elif env.kind in (MessageKind.DELTA, MessageKind.RESYNC):
+            self._shared = None
             self._collect(env)
         return True
 
     def _answer(self, env: Envelope) -> EngineReply:
         """The answer to a QUERY envelope; a malformed query or a failing engine member is answered
-        with a refusal naming why (the server keeps serving)."""
+        with a refusal naming why (the server keeps serving).
+
+        Every trainer rank asks the same query in a check (the sender sums their answers), so the
+        engine computes an answer once per round: a sender that has not had the last answer yet,
+        asking the same (ask, slice) at the same version, gets it again with its own query id
+        (``stats.answers_shared``).  A sender's second such query starts a new round and is
+        computed anew, as is every query after a DELTA or RESYNC part arrived or more than
+        :data:`SHARED_ANSWER_S` after the answer was computed."""
         try:
             if env.version != 0:
                 raise MessageFormatError(f"a QUERY envelope carries version 0, got {env.version} (a query says "
@@ -84,11 +101,19 @@ class EngineServer:
         except MessageFormatError as exc:
             self.stats.note(self.engine.version, "bad-query", f"from {env.sender}: {exc}")
             return EngineReply(False, self.engine.version, reason=f"MessageFormatError: {exc}")
+        key, now = (query.ask, query.sample, self.engine.version), time.monotonic()
+        if (self._shared is not None and self._shared[0] == key and env.sender not in self._shared[2]
+                and now - self._shared[3] < SHARED_ANSWER_S):
+            self._shared[2].add(env.sender)
+            self.stats.answers_shared += 1
+            return replace(self._shared[1], query=query)
         try:
-            return self._state(query)
+            reply = self._state(query)
         except Exception as exc:  # e.g. a full scan while a version is prepared
             return EngineReply(False, self.engine.version, reason=f"{type(exc).__name__}: {str(exc)[:500]}",
                                query=query)
+        self._shared = (key, reply, {env.sender}, now)
+        return reply
 
     def _state(self, query: Query) -> EngineReply:
         if query.ask == Ask.PLACEMENT:

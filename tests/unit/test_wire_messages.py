@@ -156,6 +156,42 @@ def test_the_server_answers_a_malformed_query_with_a_refusal_and_keeps_serving()
     assert [w for _, w, _ in server.stats.events] == ["bad-query", "bad-query"]
 
 
+def test_the_trainer_ranks_same_query_is_computed_once_per_round(monkeypatch):
+    import torch
+
+    from nemo_dcr.apply import TensorEngine
+    from nemo_dcr.refit import EngineServer
+    from nemo_dcr.refit import server as server_mod
+    from nemo_dcr.transport import InProcHub
+
+    hub = InProcHub(4)
+    engine = TensorEngine({"w": torch.arange(64, dtype=torch.bfloat16)})
+    server = EngineServer(engine, hub.transport(3), [0, 1, 2])
+    trainers = [hub.transport(i) for i in range(3)]
+    computed = []
+    real = engine.checksums
+    monkeypatch.setattr(engine, "checksums", lambda *a, **k: computed.append(k.get("sample")) or real(*a, **k))
+
+    def ask(sender: int, qid: int, sample: Sample = Sample(1, 4, block=8)) -> EngineReply:
+        assert server.handle(Envelope(MessageKind.QUERY, 0, sender, body=Query(Ask.SAMPLED, qid, sample).to_bytes()))
+        return EngineReply.from_bytes(trainers[sender].recv(3, timeout=1).body)
+
+    first = [ask(s, 7 + s) for s in range(3)]  # one round: computed once, each answer names its own query
+    assert len(computed) == 1 and server.stats.answers_shared == 2
+    assert [r.query.id for r in first] == [7, 8, 9] and len({json.dumps(r.checksums) for r in first}) == 1
+    ask(0, 10)  # sender 0 asks again: a new round
+    ask(1, 11)  # shared with sender 0's
+    ask(2, 12, Sample(2, 4, block=8))  # another slice
+    assert len(computed) == 3
+    engine.tensors["w"].view(torch.int16)[0] ^= 1  # behind the refit's back, then a DELTA part arrives
+    assert server.handle(Envelope(MessageKind.DELTA, 1, 0, part=0, last=False))
+    after = ask(1, 13, Sample(2, 4, block=8))
+    assert len(computed) == 4 and after.checksums == real(sample=Sample(2, 4, block=8)).canonical
+    monkeypatch.setattr(server_mod, "SHARED_ANSWER_S", 0.0)  # too late to share
+    ask(0, 14, Sample(2, 4, block=8))
+    assert len(computed) == 5 and server.stats.answers_shared == 3
+
+
 # -- 7.4 engine reply -------------------------------------------------------------------------------
 
 REPLY = EngineReply(True, 4, checksums={"w": 0x0123456789ABCDEF}, views={1: {"w": 5}}, touched={"w": 3},
