@@ -312,7 +312,8 @@ class DeltaRefit:
         return replace(report, changed=summed[0], payload_bytes=summed[1], numel=sum(numel.values()),
                        dense_bytes=summed[2], by_layer_type=by_kind, bytes_by_encoding=sizes, engine_format=counts,
                        route_bytes=sum(v["trainer_to_trainer"] for v in by_host.values()), bytes_by_host=by_host,
-                       fanout_bytes=fanout, host_device_bytes=crossed, engine_seconds={k: v for k, v in zip(ENGINE_SECONDS, engine) if v >= 0},
+                       fanout_bytes=fanout, host_device_bytes=crossed,
+                       engine_seconds={k: v for k, v in zip(ENGINE_SECONDS, engine) if v >= 0},
                        times={**report.times, TOTAL_SLOWEST_RANK: slowest})
 
     def _host_links(self, report: RefitReport) -> tuple[list[str], list[int]]:
