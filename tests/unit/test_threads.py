@@ -49,18 +49,24 @@ def _payload(model, target, threads: int, encoding: str = "dcr") -> bytes:
     return encode_deltas(diff_tensors(model, target), bits, ID, encoding, KEY, cks, DcrIndexes(), threads)
 
 
+def _threads_calling(monkeypatch, module, name: str) -> set[str]:
+    """The names of the threads that call ``module.name`` from now on (the call goes through)."""
+    ran_on: set[str] = set()
+    real = getattr(module, name)
+
+    def spy(*a, **k):
+        ran_on.add(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, spy)
+    return ran_on
+
+
 @pytest.mark.parametrize("encoding", ["dcr", "reference"])
 def test_encode_bytes_are_those_of_one_thread(monkeypatch, encoding):
     model = _model()
     target = _step(model)
-    ran_on = set()
-    encode_record = payload_mod.encode_record
-
-    def spy(*a, **k):
-        ran_on.add(threading.current_thread().name)
-        return encode_record(*a, **k)
-
-    monkeypatch.setattr(payload_mod, "encode_record", spy)
+    ran_on = _threads_calling(monkeypatch, payload_mod, "encode_record")
     one = _payload(model, target, 1, encoding)
     assert ran_on == {threading.current_thread().name}
     ran_on.clear()
@@ -72,14 +78,7 @@ def test_capture_scans_params_side_by_side_with_the_deltas_of_one_thread(monkeyp
     model = _model()
     target = _step(model)
     ranges = {"layer1.weight": (100, 2000), "layer2.weight": (0, 0)}  # a slice, and a param not owned
-    ran_on = set()
-    scan_param = scan_mod.scan_param
-
-    def spy(*a, **k):
-        ran_on.add(threading.current_thread().name)
-        return scan_param(*a, **k)
-
-    monkeypatch.setattr(scan_mod, "scan_param", spy)
+    ran_on = _threads_calling(monkeypatch, scan_mod, "scan_param")
     got = {}
     for threads in (1, 3):
         store = BaselineStore("pinned")
