@@ -55,6 +55,13 @@ def _canonical_delta(d: SparseDelta, tp: TensorPlacement) -> SparseDelta:
                        d.old_bits[keep])
 
 
+def _same_runs(a: Runs, b: Runs) -> bool:
+    """Whether two run maps hold the same elements the same way (every held element primary:
+    its canonical sum is its view's, computed once)."""
+    return all(np.array_equal(x, y) for x, y in ((a.canon, b.canon), (a.local, b.local), (a.length, b.length),
+                                                   (a.step, b.step)))
+
+
 class HeldSums:
     """View checksums and canonical partial sums of what one engine rank holds (module docstring).
 
@@ -108,8 +115,9 @@ class HeldSums:
         for n, view in self.tensors.items():
             bits, runs = host_bits(view.param), self.placed[n].runs
             primary = self._primaries(n)
-            canonical[n] = runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n, primary.step)
             views[n] = runs_checksum(bits, runs.local, runs.canon, runs.length, sample, n, runs.step)
+            canonical[n] = views[n] if _same_runs(primary, runs) else \
+                runs_checksum(bits, primary.local, primary.canon, primary.length, sample, n, primary.step)
         return EngineChecksums(canonical, {0: views})
 
     def _primaries(self, name: str) -> Runs:

@@ -41,6 +41,11 @@ from .relay import RelayPlan
 from .replicas import Replicas
 from .route_views import Router
 
+_VIEWS_COMPARED, _VIEWS_DIFFERING = "\0views compared", "\0views differing"
+"""Keys of the engine views' counts that :meth:`RefitSender._verify` sums along with the
+checksums (no tensor name starts with a NUL)."""
+
+
 def _lost(reason: str) -> EngineReply:
     """The failed reply standing for an exchange with ``engine_rank`` the transport lost."""
     return EngineReply(False, -1, reason=reason)
@@ -311,6 +316,13 @@ class RefitSender:
         """Ask every engine rank for its state (version and checksums; ``ask`` selects what, a
         sampled check names its slice); an engine rank the query could not be sent to answers
         with a failed reply (the transport's error)."""
+        return self.answers(self.send_query(ask, sample))
+
+    def send_query(self, ask: Ask = Ask.FULL, sample: Sample | None = None) -> tuple[Query, dict[int, EngineReply]]:
+        """Send :meth:`query`'s question without awaiting the answers (the engines compute them
+        while this rank goes on); returns the query and a failed reply for each engine rank it
+        could not be sent to.  :meth:`answers` awaits them; an answer never awaited is dropped
+        by the next await (its query id is not the one awaited)."""
         self.queries += 1
         query = Query(ask, self.queries, sample)
         failed: dict[int, EngineReply] = {}
@@ -320,6 +332,11 @@ class RefitSender:
                 self.transport.flush()
             except TransportError as exc:
                 failed[e] = _lost(f"could not send a query to engine rank {e}: {exc}")
+        return query, failed
+
+    def answers(self, asked: tuple[Query, dict[int, EngineReply]]) -> list[EngineReply]:
+        """The engine ranks' answers to a query :meth:`send_query` sent, in the order of :attr:`live`."""
+        query, failed = asked
         got = self._await(0, (MessageKind.STATE,), query, [e for e in self.live if e not in failed])
         return [failed.get(e) or got[e] for e in self.live]
 
@@ -338,24 +355,28 @@ class RefitSender:
         count once (TP-replicated norms, a second DP engine) cannot diverge unseen.  Collective;
         every rank gets the same report."""
         names = self.mirror.engine_names(sorted(self.owners))  # the engine's tensors, in one order on every rank
-        totals = self.group.sum_u64(self.mirror.trainer_side(trainer, sample), names)
         version = max(r.version for r in replies)
+        trainer = self.mirror.trainer_side(trainer, sample)
         if self._fanout is None:  # every rank holds every tensor whole: each rank's own values
-            return _each_rank(totals, self.live, replies, version, full, sample, live)
+            return _each_rank(self.group.sum_u64(trainer, names), self.live, replies, version, full, sample, live)
+        local, compared = self._fanout.view_mismatches(self.owned, self._reported_views(replies),
+                                                       self.mirror.current_bits if current else None, sample)
+        counts = {_VIEWS_COMPARED: compared, _VIEWS_DIFFERING: len(local)}  # summed with the checksums
+        totals = self.group.sum_u64({**trainer, **counts}, names + list(counts))
+        compared, differing = totals.pop(_VIEWS_COMPARED), totals.pop(_VIEWS_DIFFERING)
         engine: dict[str, int] = {}
         for r in replies:  # canonical partial sums of each rank
             for n, c in r.checksums.items():
                 engine[n] = (engine.get(n, 0) + c) & MASK64
         report = compare(totals, engine, version, full, sample, live)
-        local, compared = self._fanout.view_mismatches(self.owned, self._reported_views(replies),
-                                                       self.mirror.current_bits if current else None, sample)
-        local = [(n, e, shard, want, got) for n, (e, shard), want, got in local]
-        seen = [json.loads(b) for b in self.group.exchange([json.dumps([compared, local]).encode()] * self.group.size)]
-        rows = sorted({tuple(m) for _, ms in seen for m in ms}, key=lambda m: (m[0], m[1], m[2]))
+        rows = []
+        if differing:  # the rows themselves only when some rank found a view apart
+            local = [(n, e, shard, want, got) for n, (e, shard), want, got in local]
+            seen = [json.loads(b) for b in self.group.exchange([json.dumps(local).encode()] * self.group.size)]
+            rows = sorted({tuple(m) for ms in seen for m in ms}, key=lambda m: (m[0], m[1], m[2]))
         extra = tuple(ChecksumMismatch(n, want, got, where=f"engine rank {e}" + (f" shard {sh}" if sh else ""),
                                        engine_rank=e) for n, e, sh, want, got in rows)
-        return replace(report, checked=report.checked + sum(c for c, _ in seen),
-                       mismatches=report.mismatches + extra)
+        return replace(report, checked=report.checked + compared, mismatches=report.mismatches + extra)
 
     def _reported_views(self, replies: Sequence[EngineReply]) -> dict[tuple[int, int], dict[str, int] | None]:
         """Route key -> the view checksums its engine shard reported (None: its rank did not answer;
@@ -366,16 +387,26 @@ class RefitSender:
                 out[key] = r.views.get(key[1], {}) if r.ok else None
         return out
 
+    def _live_query(self, full: bool, sample: Sample | None) -> tuple[Query, dict[int, EngineReply]] | None:
+        """Send the query of an acknowledged version's live check (``dcr.verify``: a full scan,
+        or ``sample``'s slice; None: neither is due), so the engines compute it while this rank
+        commits its mirror and compares the deltas' checksums."""
+        if full:
+            return self.send_query()
+        return None if sample is None else self.send_query(Ask.SAMPLED, sample)
+
     def _check(self, version: int, trainer: Mapping[str, int], replies: Sequence[EngineReply], full: bool,
-               sample: Sample | None, live: Mapping[str, int] | None) -> VerifyReport:
+               sample: Sample | None, live: Mapping[str, int] | None,
+               asked: tuple[Query, dict[int, EngineReply]] | None) -> VerifyReport:
         """The comparisons of an acknowledged ``version`` (``dcr.verify``): both sides' full scans
         (``full``), or the checksums the deltas moved and then, with ``sample``, its slice of both
-        sides' live tensors (``live``: this rank's partial sums of it)."""
+        sides' live tensors (``live``: this rank's partial sums of it); ``asked``: the live
+        check's query, sent already (:meth:`_live_query`)."""
         if not full:
             report = self._verify(trainer, replies, full=False)
             if not report.ok or sample is None:
                 return report
-        state = self.query() if full else self.query(Ask.SAMPLED, sample)
+        state = self.answers(asked)
         if not self._agree(state)[0]:
             why = "; ".join(r.reason for r in state if not r.ok) or "a peer saw a failed answer"
             return VerifyReport(version, full, 0, (ChecksumMismatch(f"(no answer: {why})", None, None),),
@@ -445,8 +476,9 @@ class RefitSender:
                 return self._failed(version, "delta", changed, sent, clock)
             return self._recover(trainer_checksums, changed, sent, clock)
         with clock(Phase.VERIFY):
+            asked = self._live_query(full, sample)
             self.mirror.commit(version, self.threads)
-            report = self._check(version, trainer_checksums, replies, full, sample, live)
+            report = self._check(version, trainer_checksums, replies, full, sample, live, asked)
         if not report.ok:
             self._detected.append("checksum mismatch: " + report.describe())
             if report.live or self.uncertain:

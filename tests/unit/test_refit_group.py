@@ -96,7 +96,9 @@ class _Lossy:
         return self.inner.recv(src, timeout)
 
 
-def test_a_replica_that_missed_a_version_is_found_by_its_own_view_checksums():
+def _placed(transport_of):
+    """SmolLM-shaped weights, two stand-in vLLM TP ranks (routed views) served over an in-process
+    hub, and the refit of trainer transport ``transport_of(hub endpoint 0)``."""
     shapes = canonical_shapes(D)
     g = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
@@ -109,9 +111,28 @@ def test_a_replica_that_missed_a_version_is_found_by_its_own_view_checksums():
     threads = [threading.Thread(target=s.serve, daemon=True) for s in servers]
     for t in threads:
         t.start()
-    lossy = _Lossy(hub.transport(0), dst=2)
+    trainer = transport_of(hub.transport(0))
     cfg = DcrConfig(transport="inprocess", reply_timeout_s=60, telemetry_encodings=[])
-    refit = DeltaRefit(cfg, CanonicalSource(weights), engine_wiring(lossy, [0], [1, 2], LocalGroup()), key=KEY)
+    refit = DeltaRefit(cfg, CanonicalSource(weights), engine_wiring(trainer, [0], [1, 2], LocalGroup()), key=KEY)
+
+    def stop():
+        for e in (1, 2):
+            trainer.send(e, Envelope(MessageKind.STOP, 0, 0))
+        for t in threads:
+            t.join(5)
+
+    return weights, models, refit, stop
+
+
+def test_a_replica_that_missed_a_version_is_found_by_its_own_view_checksums():
+    lossy = None
+
+    def wrap(t):
+        nonlocal lossy
+        lossy = _Lossy(t, dst=2)
+        return lossy
+
+    weights, models, refit, stop = _placed(wrap)
     assert refit.attach().committed
     weights["model.norm.weight"].view(torch.int16)[0] += 1  # only the norm: replicated, primary on rank 1
     lossy.armed = True
@@ -123,7 +144,31 @@ def test_a_replica_that_missed_a_version_is_found_by_its_own_view_checksums():
         ref.load_weights(weights.items())
         live = dict(m.named_parameters())
         assert all(torch.equal(int_view(p.data), int_view(live[n].data)) for n, p in ref.named_parameters())
-    for e in (1, 2):
-        lossy.send(e, Envelope(MessageKind.STOP, 0, 0))
-    for t in threads:
-        t.join(5)
+    stop()
+
+
+def test_the_live_check_is_asked_before_the_mirror_commits_and_agreeing_views_exchange_nothing():
+    events = []
+
+    class Recording(_Lossy):
+        def send(self, dst, env):
+            if env.kind == MessageKind.QUERY:
+                events.append(("query", dst))
+            self.inner.send(dst, env)
+
+    weights, models, refit, stop = _placed(lambda t: Recording(t, dst=None))
+    assert refit.attach().committed
+    mirror, group = refit.sender.mirror, refit.group
+    commit, exchange = mirror.commit, group.exchange
+    mirror.commit = lambda *a, **k: (events.append(("commit",)), commit(*a, **k))[1]
+    group.exchange = lambda out: (events.append(("exchange",)), exchange(out))[1]
+    for step in range(2):
+        events.clear()
+        weights["model.layers.0.mlp.down_proj.weight"].view(torch.int16)[step, :3] += 1
+        r = refit.step()
+        assert r.committed and not r.resynced and r.verify.live and r.verify.ok, r
+        # the one exchange is the route's; the sampled check's query to both engine ranks goes
+        # out before this rank commits its mirror (the engines compute it meanwhile), and views
+        # that agree need no exchange of rows
+        assert events == [("exchange",), ("query", 1), ("query", 2), ("commit",)], events
+    stop()
