@@ -75,11 +75,16 @@ class Replicas:
         self.degraded.add(i)
         return others
 
-    def agree(self, group, engine_ranks: Sequence[int]) -> list[int]:
+    def agree(self, group, engine_ranks: Sequence[int], extra: Sequence[int] = ()) -> tuple[list[int], list[int] | None]:
         """Detach the engine ranks any trainer rank of ``group`` detached (collective); returns
-        those this rank detached now."""
-        seen = group.sum_ints([int(e in self.detached) for e in engine_ranks])
-        return [e for e, n in zip(engine_ranks, seen) if n and e not in self.detached and self.lose(e) is not None]
+        those this rank detached now and the sums of ``extra`` over the trainer ranks, summed in
+        the same collective (None when some trainer rank had detached a rank the others had not:
+        counts taken before this agreement then describe different sets of ranks)."""
+        seen = group.sum_ints([int(e in self.detached) for e in engine_ranks] + [int(v) for v in extra])
+        seen, summed = seen[:len(engine_ranks)], seen[len(engine_ranks):]
+        same = all(n in (0, group.size) for n in seen)
+        now = [e for e, n in zip(engine_ranks, seen) if n and e not in self.detached and self.lose(e) is not None]
+        return now, summed if same else None
 
     def relayed(self, via, intact: set[tuple[int, ...]], got: Mapping[int, EngineReply], direct: set[int]) -> int:
         """Payload bytes the relays carried in one exchange: of each send to a root (``via``:

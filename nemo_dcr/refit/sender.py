@@ -122,6 +122,8 @@ class RefitSender:
     to each root times its other replicas that answered that version without a direct send."""
     _changed_ranks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     """Engine ranks detached, and ranks sent a resync, this refit (refit/replicas.py)."""
+    _agreed: tuple[list[EngineReply], list[int]] | None = None
+    """The last exchange's replies and their flags summed over the trainer ranks (:meth:`_agree`)."""
 
     def __post_init__(self):
         self.relay = self.relay or RelayPlan.direct(self.engine_ranks)
@@ -270,10 +272,14 @@ class RefitSender:
                                        ranks=[e for e in ranks if e not in failed], lost=lost))
             else:  # a rank that cannot be detached: the exchange is lost (nothing more awaited)
                 got = {**got, **failed}
-            self._changed_ranks[0].extend(self.replicas.agree(self.group, self.engine_ranks))
+            now, agreed = self.replicas.agree(self.group, self.engine_ranks,
+                                              _flags([got[e] for e in self.live if e in got]))
+            self._changed_ranks[0].extend(now)
             self.relay = self.replicas.plan()
         self._relayed += self.replicas.relayed(via, intact, got, direct)
-        return sent, [got[e] for e in self.live if e in got]
+        replies = [got[e] for e in self.live if e in got]
+        self._agreed = None if agreed is None else (replies, agreed)  # the same on every trainer rank
+        return sent, replies
 
 
     def _await(self, version: int, kinds: tuple[MessageKind, ...], query: Query | None = None,
@@ -342,8 +348,14 @@ class RefitSender:
 
     def _agree(self, replies: Sequence[EngineReply]) -> tuple[bool, bool]:
         """(every rank's replies all ok, some rank lost an exchange): collective, the same on
-        every rank; a loss leaves the sender :attr:`uncertain`."""
-        bad, lost = self.group.sum_ints([int(not all(r.ok for r in replies)), int(any(r.version < 0 for r in replies))])
+        every rank; a loss leaves the sender :attr:`uncertain`.  The replies of the last
+        :meth:`_exchange` were counted in its own collective already (when no trainer rank
+        detached an engine rank there): no second one."""
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None and agreed[0] is replies:
+            bad, lost = agreed[1]
+        else:
+            bad, lost = self.group.sum_ints(_flags(replies))
         self.uncertain = bool(lost)
         return not bad, bool(lost)
 
@@ -619,6 +631,12 @@ class RefitSender:
             self._detected.append("checksum mismatch after resync: " + after.describe())
         return RefitReport(target, mode, after.ok, True, tuple(self._detected), changed, payload_bytes=sent,
                            times=clock.seconds, verify=after, engine_seconds=_slowest(replies))
+
+
+def _flags(replies: Sequence[EngineReply]) -> list[int]:
+    """``[some reply failed, some exchange was lost]`` of one trainer rank's replies (summed by
+    :meth:`RefitSender._agree`)."""
+    return [int(not all(r.ok for r in replies)), int(any(r.version < 0 for r in replies))]
 
 
 def _slowest(replies: Sequence[EngineReply]) -> dict[str, float]:

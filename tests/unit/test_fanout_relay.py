@@ -154,6 +154,34 @@ def test_a_lost_replica_is_detached_and_its_group_goes_direct():
         reps.reattach([4])
 
 
+def test_agreeing_on_detached_ranks_sums_the_reply_flags_in_the_same_collective():
+    import concurrent.futures as cf
+
+    from nemo_dcr.refit.group import TransportGroup
+    from nemo_dcr.refit.replicas import Replicas
+
+    def members(lost: list[int | None], flags: list[list[int]]):
+        hub = InProcHub(2)
+        groups = [TransportGroup(hub.transport(r), range(2), timeout=5) for r in range(2)]
+        reps = [Replicas.of(RelayPlan(((1, 2), (3,)))) for _ in range(2)]
+        for rep, e in zip(reps, lost):
+            if e is not None:
+                rep.lose(e)
+        with cf.ThreadPoolExecutor(2) as ex:
+            outs = [ex.submit(rep.agree, g, [1, 2, 3], f) for rep, g, f in zip(reps, groups, flags)]
+            return [o.result() for o in outs], reps
+
+    # no trainer rank detached anything new: the flags' sums hold for every rank
+    (a, b), _ = members([None, None], [[1, 0], [0, 1]])
+    assert a == b == ([], [1, 1])
+    # only trainer rank 0 had lost engine rank 1: rank 1 detaches it now, and the flags (counted
+    # over different sets of engine ranks) are not used by either rank
+    (a, b), reps = members([1, None], [[0, 0], [1, 1]])
+    assert a == ([], None) and b == ([1], None) and reps[1].detached == {1}
+    (a, b), _ = members([1, 1], [[0, 1], [0, 0]])  # both had: the same sets, the sums hold
+    assert a == b == ([], [0, 1])
+
+
 def test_peers_number_envelopes_by_refit_rank_and_replace_a_connection():
     from nemo_dcr.transport.peers import Peers
 
