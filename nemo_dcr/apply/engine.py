@@ -19,6 +19,8 @@ write guard held), then the driver tells all ranks to :meth:`~TensorEngine.commi
 
 from __future__ import annotations
 
+import threading
+
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
@@ -74,7 +76,8 @@ class TensorEngine:
             n: ShardView(self.params[tp.param], tp.runs) for n, tp in self.placed.items()}
         self.fills = fills_outside_views(fills or {}, self.placed)
         self.key = key
-        self.indexes = DcrIndexes() if keep_index else None
+        self._indexes = DcrIndexes() if keep_index else None
+        self._moving: tuple[threading.Thread, list[BaseException]] | None = None  # the last commit's index update
         self.undo = UndoSettings(undo_limit_bytes, spill_dir)
         self.threads = resolve_threads(threads, processes=1)
         self.guard = VersionGuard(version)
@@ -89,6 +92,34 @@ class TensorEngine:
     def version(self) -> int:
         """The version every tensor holds (never a mix)."""
         return self.guard.version
+
+    @property
+    def indexes(self) -> DcrIndexes | None:
+        """The kept ``dcr`` class indexes (None: not kept), once the last commit has moved them."""
+        moving, self._moving = self._moving, None
+        if moving is not None:
+            thread, failed = moving
+            thread.join()
+            if failed:
+                raise failed[0]
+        return self._indexes
+
+    def _move_indexes(self, deltas) -> None:
+        """Move the kept indexes by a committed version's deltas on a thread of its own, so the
+        commit returns (and the engine answers) first; :attr:`indexes` waits for it, so the next
+        decode, build or drop sees them moved (the numba kernels release the GIL: the update
+        runs beside whatever the engine does next, e.g. a sampled check)."""
+        indexes, failed = self.indexes, []
+
+        def move():
+            try:
+                indexes.update(deltas, self.threads)
+            except BaseException as exc:  # never expected (a stale index is dropped): raised at the next use
+                failed.append(exc)
+
+        thread = threading.Thread(target=move, name="nemo-dcr-index-update", daemon=True)
+        thread.start()
+        self._moving = (thread, failed)
 
     def placement(self) -> list[dict]:
         """This rank's placement as one shard (JSON form), or none for tensors held whole."""
@@ -160,7 +191,7 @@ class TensorEngine:
                     self.indexes.drop(prepared.result.touched)
                     self.build_indexes(prepared.result.touched)
                 else:
-                    self.indexes.update(prepared.result.deltas, self.threads)
+                    self._move_indexes(prepared.result.deltas)
         return prepared.result
 
     def rollback(self) -> ApplyResult:
