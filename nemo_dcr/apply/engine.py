@@ -20,7 +20,6 @@ write guard held), then the driver tells all ranks to :meth:`~TensorEngine.commi
 from __future__ import annotations
 
 import threading
-
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 

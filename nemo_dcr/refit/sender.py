@@ -122,8 +122,6 @@ class RefitSender:
     to each root times its other replicas that answered that version without a direct send."""
     _changed_ranks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     """Engine ranks detached, and ranks sent a resync, this refit (refit/replicas.py)."""
-    _agreed: tuple[list[EngineReply], list[int]] | None = None
-    """The last exchange's replies and their flags summed over the trainer ranks (:meth:`_agree`)."""
 
     def __post_init__(self):
         self.relay = self.relay or RelayPlan.direct(self.engine_ranks)
@@ -232,12 +230,15 @@ class RefitSender:
         return sent, failed, via
 
     def _exchange(self, kind: MessageKind, version: int, parts, tamper: Tamper | None, clock: PhaseClock,
-                  ranks: Sequence[int] | None = None) -> tuple[int, list[EngineReply]]:
+                  ranks: Sequence[int] | None = None) -> tuple[int, list[EngineReply], list[int] | None]:
         """Send ``ranks`` (default: the attached ones) their parts of ``version`` and await their
         replies, in the order of :attr:`live`.  A rank whose process died is detached when another
         replica of its views is attached (refit/replicas.py): the members of its relay group that
         have not answered get the parts again, directly, and it has no reply in the list.  A
-        failed send to a rank that cannot be detached returns the failed replies at once."""
+        failed send to a rank that cannot be detached returns the failed replies at once.  Also
+        returns the replies' flags (:func:`_flags`) summed over the trainer ranks in the
+        collective that agrees on detached ranks, for :meth:`_agree`: None, the same on every
+        rank, when some trainer rank detached an engine rank there (its flags counted other ranks)."""
         ranks = list(self.live if ranks is None else ranks)
         intact = set(self.relay.groups)  # relay groups whole before this exchange
         direct: set[int] = set()  # sent this version's parts directly (not through a relay)
@@ -277,9 +278,7 @@ class RefitSender:
             self._changed_ranks[0].extend(now)
             self.relay = self.replicas.plan()
         self._relayed += self.replicas.relayed(via, intact, got, direct)
-        replies = [got[e] for e in self.live if e in got]
-        self._agreed = None if agreed is None else (replies, agreed)  # the same on every trainer rank
-        return sent, replies
+        return sent, [got[e] for e in self.live if e in got], agreed
 
 
     def _await(self, version: int, kinds: tuple[MessageKind, ...], query: Query | None = None,
@@ -346,16 +345,11 @@ class RefitSender:
         got = self._await(0, (MessageKind.STATE,), query, [e for e in self.live if e not in failed])
         return [failed.get(e) or got[e] for e in self.live]
 
-    def _agree(self, replies: Sequence[EngineReply]) -> tuple[bool, bool]:
+    def _agree(self, replies: Sequence[EngineReply], summed: Sequence[int] | None = None) -> tuple[bool, bool]:
         """(every rank's replies all ok, some rank lost an exchange): collective, the same on
-        every rank; a loss leaves the sender :attr:`uncertain`.  The replies of the last
-        :meth:`_exchange` were counted in its own collective already (when no trainer rank
-        detached an engine rank there): no second one."""
-        agreed, self._agreed = self._agreed, None
-        if agreed is not None and agreed[0] is replies:
-            bad, lost = agreed[1]
-        else:
-            bad, lost = self.group.sum_ints(_flags(replies))
+        every rank, unless ``summed`` holds the replies' flags summed already (what
+        :meth:`_exchange` returns); a loss leaves the sender :attr:`uncertain`."""
+        bad, lost = self.group.sum_ints(_flags(replies)) if summed is None else summed
         self.uncertain = bool(lost)
         return not bad, bool(lost)
 
@@ -475,9 +469,9 @@ class RefitSender:
             owned = self.mirror.changes(routed)
             ident = Identity(self.model, "", self.mirror.version + base_skew, version + base_skew)
             sent_deltas, parts = self._encode(owned, ident)
-        sent, replies = self._exchange(MessageKind.DELTA, version, parts, tamper, clock)
+        sent, replies, agreed = self._exchange(MessageKind.DELTA, version, parts, tamper, clock)
         with clock(Phase.AWAIT):
-            ok, lost = self._agree(replies)
+            ok, lost = self._agree(replies, agreed)
         changed = sum(d.nnz for d in owned)
         with clock(Phase.TELEMETRY):
             sizes = self._telemetry(sent_deltas, telemetry)
@@ -615,10 +609,10 @@ class RefitSender:
         with clock(Phase.ENCODE):
             parts = self._resync_parts(names, target)
         self._changed_ranks[1].extend(self.live if ranks is None else ranks)
-        more, replies = self._exchange(MessageKind.RESYNC, target, parts, None, clock, ranks)
+        more, replies, agreed = self._exchange(MessageKind.RESYNC, target, parts, None, clock, ranks)
         sent += more
         with clock(Phase.AWAIT):
-            ok, _ = self._agree(replies)
+            ok, _ = self._agree(replies, agreed)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             version = max(r.version for r in replies)

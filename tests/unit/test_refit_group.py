@@ -98,7 +98,8 @@ class _Lossy:
 
 def _placed(transport_of):
     """SmolLM-shaped weights, two stand-in vLLM TP ranks (routed views) served over an in-process
-    hub, and the refit of trainer transport ``transport_of(hub endpoint 0)``."""
+    hub, the refit over trainer transport ``transport_of(hub endpoint 0)``, a function stopping
+    the servers, and that transport."""
     shapes = canonical_shapes(D)
     g = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
@@ -121,18 +122,11 @@ def _placed(transport_of):
         for t in threads:
             t.join(5)
 
-    return weights, models, refit, stop
+    return weights, models, refit, stop, trainer
 
 
 def test_a_replica_that_missed_a_version_is_found_by_its_own_view_checksums():
-    lossy = None
-
-    def wrap(t):
-        nonlocal lossy
-        lossy = _Lossy(t, dst=2)
-        return lossy
-
-    weights, models, refit, stop = _placed(wrap)
+    weights, models, refit, stop, lossy = _placed(lambda t: _Lossy(t, dst=2))
     assert refit.attach().committed
     weights["model.norm.weight"].view(torch.int16)[0] += 1  # only the norm: replicated, primary on rank 1
     lossy.armed = True
@@ -156,7 +150,7 @@ def test_the_live_check_is_asked_before_the_mirror_commits_and_agreeing_views_ex
                 events.append(("query", dst))
             self.inner.send(dst, env)
 
-    weights, models, refit, stop = _placed(lambda t: Recording(t, dst=None))
+    weights, models, refit, stop, _ = _placed(lambda t: Recording(t, dst=None))
     assert refit.attach().committed
     mirror, group = refit.sender.mirror, refit.group
     commit, exchange = mirror.commit, group.exchange
