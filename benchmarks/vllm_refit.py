@@ -6,13 +6,13 @@ Usage:
 RUN_DIR holds real RL step checkpoints ``step_0`` and ``step_1`` (generated with
 ``nemo-dcr make-deltas --steps 1 --lr 3e-6 --out RUN_DIR`` when missing).  One vLLM engine
 (SmolLM2-135M, TP=1, in-process, with the nemo_dcr worker extension) is started on ``step_0``;
-then, N times: a dense refit to ``step_0`` (vLLM's ``load_weights`` from the safetensors file,
-page-cached) and a delta refit ``step_0 -> step_1`` (trainer-side encode with the per-rank
-fanout, then the engine's two-phase apply).  Printed, all measured in this run:
+then, N times: a dense refit to the step the engine holds (vLLM's ``load_weights`` from the
+safetensors file, page-cached) and a delta refit to the other step (``step_0 -> step_1``, then
+back: trainer-side encode with the per-rank fanout, then the engine's two-phase apply).  Printed, all measured in this run:
 
 * the vLLM params the placement found (names and shapes, one row per pattern), aliases, packs;
 * seconds of each phase (best and median of N) and the ratios delta/dense;
-* after the last refit: every param equal to a fresh engine loaded from ``step_1``, greedy
+* after the last refit: every param equal to a fresh engine loaded from the step it holds, greedy
   tokens identical, checksums equal to the trainer's;
 * generation time with linears run unpacked (the CPU patch) and, in a separate process, of
   stock vLLM (packed oneDNN/SGL linears) on the same prompts, whether the tokens agree, and what
@@ -107,8 +107,12 @@ def stock_generation(step: Path, tokens: int) -> dict:
     return dict(tokens=toks, seconds=secs, repack_seconds=repack, linears=linears)
 
 
-def refits(engine, w0, w1, step0: Path, reps: int) -> dict:
-    """N x (dense to step_0, delta step_0 -> step_1); phase seconds per repetition."""
+def refits(engine, w0, w1, step0: Path, step1: Path, reps: int) -> dict:
+    """N x (dense refit to the step the engine holds, delta refit to the other step); phase seconds
+    per repetition.  The deltas alternate step_0 -> step_1 -> step_0 ..., so that a delta starts
+    from what the previous refit left, as in an RL loop: a dense load of the same bits keeps the
+    engine's kept indexes, while a dense load of other bits drops them and the next delta would
+    pay their rebuild, a cost an RL loop's deltas do not have."""
     from nemo_dcr.apply import apply_version
     from nemo_dcr.codec import Identity, diff_tensors
     from nemo_dcr.refit.fanout import Fanout
@@ -117,15 +121,17 @@ def refits(engine, w0, w1, step0: Path, reps: int) -> dict:
     mirror = SenderMirror({n: ("bf16", tuple(t.shape)) for n, t in w0.items()})
     fanout = Fanout(engine.routes(), mirror)
     out = {k: [] for k in ("dense_load", "dense_total", "diff", "encode", "apply", "apply_rank")}
+    steps, weights = (step0, step1), (w0, w1)
     for i in range(reps):
+        held, target = weights[i % 2], weights[(i + 1) % 2]
         v = engine.version + 1
         t0 = time.perf_counter()
-        engine.load_weights(str(step0), v)
+        engine.load_weights(str(steps[i % 2]), v)
         out["dense_total"].append(time.perf_counter() - t0)
         out["dense_load"].append(engine.last_dense[0]["load_seconds"])
-        mirror.reset(w0, v)
+        mirror.reset(held, v)
         t0 = time.perf_counter()
-        deltas = mirror.changes(diff_tensors(w0, w1))
+        deltas = mirror.changes(diff_tensors(held, target))
         t1 = time.perf_counter()
         parts = fanout.encode(deltas, Identity(base_version=v, target_version=v + 1), "dcr", KEY, 1 << 22)
         t2 = time.perf_counter()
@@ -137,6 +143,7 @@ def refits(engine, w0, w1, step0: Path, reps: int) -> dict:
         out["apply_rank"].append(engine.last_apply[0]["seconds"])
         out["changed"] = sum(result.touched.values())
         out["payload_bytes"] = sum(len(p) for ps in parts.values() for p in ps)
+    out["held"] = reps % 2  # the step the engine holds after the last delta
     return out
 
 
@@ -173,7 +180,7 @@ def run_all(a, step0: Path, step1: Path) -> dict:
     print("placement (canonical -> vLLM param):", *placement_table(engine), sep="\n")
     print("aliases:", engine.probed[0]["aliases"], " prepacked:", engine.probed[0]["packed"])
     ours0, gen_ours = timed_generation(lambda ps, n: engine.generate(ps, n, ignore_eos=True)[0], a.tokens)
-    t = refits(engine, w0, w1, step0, a.reps)
+    t = refits(engine, w0, w1, step0, step1, a.reps)
     model_mb = sum(x.numel() * x.element_size() for x in w0.values()) / 1e6
     print(f"\nchanged elements {t['changed']} ({100 * t['changed'] / sum(x.numel() for x in w0.values()):.2f}%), "
           f"payload {t['payload_bytes'] / 1e6:.2f} MB, dense {model_mb:.1f} MB, {a.reps} repetitions")
@@ -185,14 +192,15 @@ def run_all(a, step0: Path, step1: Path) -> dict:
     med = {k: statistics.median(v) for k, v in t.items() if isinstance(v, list)}
     print(f"ratio engine apply / dense load_weights: {med['apply'] / med['dense_load']:.3f}")
     print(f"ratio (encode + apply) / dense load_weights: {(med['encode'] + med['apply']) / med['dense_load']:.3f}")
-    ok_ck = engine.checksums().canonical == {n: tensor_checksum(bits_view(x)) for n, x in w1.items()} \
+    last, last_dir = (w0, step0) if t["held"] == 0 else (w1, step1)
+    ok_ck = engine.checksums().canonical == {n: tensor_checksum(bits_view(x)) for n, x in last.items()} \
         == engine.checksums(True).canonical
     refit, ours1 = engine_state(engine.llm), engine.generate(PROMPTS, a.tokens)[0]
     engine.close()
-    with VllmEngine.start(str(step1), key=KEY, **ARGS) as fresh:
+    with VllmEngine.start(str(last_dir), key=KEY, **ARGS) as fresh:
         diffs = [str(d) for d in state_differences(refit, engine_state(fresh.llm))]
         same_tokens = fresh.generate(PROMPTS, a.tokens)[0] == ours1
-    print(f"\nafter the last delta refit: checksums = trainer's: {ok_ck}; params vs a fresh engine on step_1: "
+    print(f"\nafter the last delta refit: checksums = trainer's: {ok_ck}; params vs a fresh engine on step_{t['held']}: "
           f"{'identical' if not diffs else diffs[:5]} ({len(refit[0])} params, buffers, attributes); greedy tokens identical: {same_tokens}")
     report = dict(timings=t, checksums_ok=ok_ck, state_differences=diffs, tokens_identical=same_tokens,
                   generation=dict(unpacked_seconds=gen_ours, tokens=ours0))

@@ -77,13 +77,21 @@ class Runs:
 
     @classmethod
     def merged(cls, parts: Sequence["Runs"]) -> "Runs":
-        """One map from disjoint maps (e.g. runs found chunk by chunk), sorted by canonical start."""
+        """One map from disjoint maps (e.g. runs found chunk by chunk), sorted by canonical start;
+        a run that the next one continues (canonical and local index, same step) is joined with it,
+        so a contiguous view found in chunks is one run (a gather of it is a view, not a copy)."""
         parts = [r for r in parts if r.canon.size]
         if not parts:
             return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         fields = [np.concatenate([getattr(r, f) for r in parts]) for f in ("canon", "local", "length", "step")]
         order = np.argsort(fields[0], kind="stable")
-        return cls(*(f[order] for f in fields))
+        canon, local, length, step = (f[order] for f in fields)
+        joined = (canon[:-1] + length[:-1] == canon[1:]) & (local[:-1] + length[:-1] * step[:-1] == local[1:]) \
+            & (step[:-1] == step[1:])
+        if not joined.any():
+            return cls(canon, local, length, step)
+        starts = np.concatenate([[0], np.flatnonzero(~joined) + 1]).astype(np.int64)
+        return cls(canon[starts], local[starts], np.add.reduceat(length, starts).astype(np.int64), step[starts])
 
     @property
     def numel(self) -> int:

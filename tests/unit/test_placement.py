@@ -94,6 +94,25 @@ def test_runs_select_and_views():
     assert runs.view_to_canon(view).tolist() == [1, 6, 20]
 
 
+def test_runs_found_in_chunks_are_joined_and_a_contiguous_view_gathers_without_a_copy():
+    """A probe finds runs chunk by chunk: a view that is one contiguous range of its param must
+    come out as one run (its decode base is then a view of the param, not a copy per refit)."""
+    from nemo_dcr.apply.shard_view import ShardView
+
+    chunks = [Runs(np.array([c]), np.array([c + 6]), np.array([4])) for c in (8, 0, 4)]
+    plain = Runs.merged(chunks + [Runs(np.array([12]), np.array([40]), np.array([2]))])
+    assert (plain.canon.tolist(), plain.local.tolist(), plain.length.tolist()) == ([0, 12], [6, 40], [12, 2])
+    rows = Runs.merged([Runs(np.array([0]), np.array([0]), np.array([3]), np.array([4])),
+                        Runs(np.array([3]), np.array([12]), np.array([3]), np.array([4])),
+                        Runs(np.array([6]), np.array([24]), np.array([3]), np.array([1]))])
+    assert rows.length.tolist() == [6, 3] and rows.step.tolist() == [4, 1]  # same step joined, not across steps
+    assert rows.expand()[1].tolist() == [0, 4, 8, 12, 16, 20, 24, 25, 26]
+    param = torch.arange(20, dtype=torch.bfloat16)
+    view = ShardView(param, Runs.merged(chunks))
+    base = view.gather()
+    assert base.data_ptr() == param[6:].data_ptr() and base.tolist() == param[6:18].tolist()
+
+
 def test_stepped_runs_map_a_transpose_one_run_per_row():
     e, a, b = 2, 3, 4
     canon = np.arange(e * a * b)
