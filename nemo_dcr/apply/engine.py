@@ -19,7 +19,6 @@ write guard held), then the driver tells all ranks to :meth:`~TensorEngine.commi
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
@@ -28,7 +27,7 @@ import torch
 
 from nemo_dcr.codec import DcrIndexes
 from nemo_dcr.kernels.traffic import host_bits
-from nemo_dcr.kernels.workers import resolve_threads
+from nemo_dcr.kernels.workers import Behind, resolve_threads
 from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.sample import Sample
 
@@ -76,7 +75,7 @@ class TensorEngine:
         self.fills = fills_outside_views(fills or {}, self.placed)
         self.key = key
         self._indexes = DcrIndexes() if keep_index else None
-        self._moving: tuple[threading.Thread, list[BaseException]] | None = None  # the last commit's index update
+        self._moving = Behind("nemo-dcr-index-update")  # the last commit's index update
         self.undo = UndoSettings(undo_limit_bytes, spill_dir)
         self.threads = resolve_threads(threads, processes=1)
         self.guard = VersionGuard(version)
@@ -95,12 +94,7 @@ class TensorEngine:
     @property
     def indexes(self) -> DcrIndexes | None:
         """The kept ``dcr`` class indexes (None: not kept), once the last commit has moved them."""
-        moving, self._moving = self._moving, None
-        if moving is not None:
-            thread, failed = moving
-            thread.join()
-            if failed:
-                raise failed[0]
+        self._moving.wait()
         return self._indexes
 
     def _move_indexes(self, deltas) -> None:
@@ -108,17 +102,8 @@ class TensorEngine:
         commit returns (and the engine answers) first; :attr:`indexes` waits for it, so the next
         decode, build or drop sees them moved (the numba kernels release the GIL: the update
         runs beside whatever the engine does next, e.g. a sampled check)."""
-        indexes, failed = self.indexes, []
-
-        def move():
-            try:
-                indexes.update(deltas, self.threads)
-            except BaseException as exc:  # never expected (a stale index is dropped): raised at the next use
-                failed.append(exc)
-
-        thread = threading.Thread(target=move, name="nemo-dcr-index-update", daemon=True)
-        thread.start()
-        self._moving = (thread, failed)
+        indexes = self.indexes
+        self._moving.start(lambda: indexes.update(deltas, self.threads))  # an error: raised at the next use
 
     def placement(self) -> list[dict]:
         """This rank's placement as one shard (JSON form), or none for tensors held whole."""

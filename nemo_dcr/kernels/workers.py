@@ -108,3 +108,43 @@ def map_records(fn: Callable[[T], R], items: Sequence[T], threads: int,
         wait(futures)
         raise
     return out
+
+
+class Behind:
+    """At most one job at a time on a thread of its own, which its next user waits for.
+
+    For work whose result is needed only later (moving kept class indexes after a commit: the
+    numba kernels release the GIL, so it runs beside what the caller does next).  :meth:`wait`
+    joins the job and raises the error it ended with, once; :meth:`start` waits for the job
+    before it first.
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._job: tuple[threading.Thread, list[BaseException]] | None = None
+
+    def start(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on a thread of its own (after the job before it ended)."""
+        self.wait()
+        failed: list[BaseException] = []
+
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # raised at the next wait
+                failed.append(exc)
+
+        thread = threading.Thread(target=run, name=self.name, daemon=True)
+        thread.start()
+        self._job = (thread, failed)
+
+    def wait(self) -> None:
+        """Wait for the job in flight, if any; raise the error it ended with."""
+        job, self._job = self._job, None
+        if job is not None:
+            job[0].join()
+            if job[1]:
+                raise job[1][0]

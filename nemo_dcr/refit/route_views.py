@@ -23,15 +23,17 @@ Changes of the tensors a rank owns itself never leave it.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from nemo_dcr.apply.placement import Runs
 from nemo_dcr.codec import DcrIndex, DeltaFormatError
 from nemo_dcr.codec.dcr import StaleIndexError, decode_dcr, encode_dcr
+from nemo_dcr.kernels.workers import Behind
 from nemo_dcr.types import DTYPES, DtypeSpec, SparseDelta
 from nemo_dcr.verify.checksum import updated_checksum
 
@@ -68,13 +70,17 @@ class View:
         """Checksum of :attr:`bits` in view index space (section 5)."""
         return self.index.checksum
 
-    def end(self, committed: bool) -> None:
-        """Write the staged changes (``committed``) or drop them."""
+    def end(self, committed: bool) -> Callable[[], None] | None:
+        """Write the staged changes' bits (``committed``) or drop them; returns the move of
+        :attr:`index` by them, for the caller to run (:meth:`Router.end` runs it on a thread), or None."""
         staged, self.staged = self.staged, None
         if staged is None or not committed:
-            return
+            return None
         j, old, new = staged
         self.bits[j] = new
+        return lambda: self._move(j, old, new)
+
+    def _move(self, j: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
         try:
             self.index.update(j, old, new)
         except StaleIndexError:  # never expected: rebuild from the bits, which are right
@@ -164,6 +170,7 @@ class Router:
         """``(owned tensor, sender rank)`` -> that sender's view."""
         self.sent = RouteBytes()
         """Bytes of the last :meth:`route`."""
+        self._moving = Behind("nemo-dcr-route-views")  # the last end's index moves
 
     def route(self, pieces: Sequence[SparseDelta], attach: bool = False) -> list[SparseDelta]:
         """Send each canonical piece to its owner; return the merged changes of the tensors this
@@ -174,6 +181,7 @@ class Router:
             RoutingPackError: a pack received breaks section 7.5.
         """
         me = self.group.rank
+        self.wait()
         for view in self._views():  # a route whose refit never ended (it raised) committed nothing
             view.end(False)
         if attach:
@@ -189,9 +197,17 @@ class Router:
 
     def end(self, committed: bool) -> None:
         """The refit of the last :meth:`route` ended: move every view by its staged changes
-        (``committed``, the capture baseline moves too) or drop them."""
-        for view in self._views():
-            view.end(committed)
+        (``committed``, the capture baseline moves too) or drop them.  The bits move now; the
+        kept indexes on a thread of its own (the numba kernels release the GIL), which the next
+        :meth:`route` (or :meth:`wait`) waits for, so the refit's report goes out first."""
+        self.wait()
+        moves = [m for m in (view.end(committed) for view in self._views()) if m is not None]
+        if moves:
+            self._moving.start(lambda: [move() for move in moves])
+
+    def wait(self) -> None:
+        """Wait until the views' kept indexes are moved by the last :meth:`end`."""
+        self._moving.wait()
 
     def _views(self):
         return list(self.outgoing.values()) + list(self.incoming.values())
@@ -242,7 +258,7 @@ class Router:
             if self.owners[name] != me:
                 raise RoutingPackError(f"{where}: owned by trainer rank {self.owners[name]}, not by rank {me}")
             dtype, shape = self.meta[name]
-            spec, numel = DTYPES[dtype], int(np.prod(shape))
+            spec, numel = DTYPES[dtype], math.prod(shape)
             if e.coding is Coding.VIEW:
                 view = views[(name, sender)] = parse_view(e, spec, numel, where)
                 out.append(SparseDelta(name, dtype, shape, view.runs.expand()[0], view.bits))

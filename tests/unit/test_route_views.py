@@ -99,7 +99,8 @@ def _f32(rng, n: int) -> np.ndarray:
 
 
 def _views(router: Router) -> list:
-    """``((tensor, sender rank), view)`` of every view ``router`` keeps."""
+    """``((tensor, sender rank), view)`` of every view ``router`` keeps (their indexes moved)."""
+    router.wait()
     return [((n, router.group.rank), v) for n, v in router.outgoing.items()] + list(router.incoming.items())
 
 

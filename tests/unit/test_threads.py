@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,3 +190,53 @@ def test_threads_values(monkeypatch):
     assert resolve_threads("auto", processes=1) == cores  # an engine counts as one process
     with pytest.raises(ValueError, match="positive int or 'auto'"):
         resolve_threads(0)
+
+
+def test_a_job_behind_runs_one_at_a_time_and_its_error_is_raised_once_at_the_next_wait():
+    behind, order, gate = workers.Behind("test-behind"), [], threading.Event()
+
+    def slow():
+        gate.wait(5)
+        order.append("first")
+
+    behind.start(slow)
+    assert order == []  # start returned while the job waits
+    gate.set()
+    behind.start(lambda: order.append("second"))  # waits for the first job before it starts
+    behind.wait()
+    assert order == ["first", "second"]
+    behind.start(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        behind.wait()
+    behind.wait()  # raised once; nothing in flight now
+
+
+def test_the_routers_views_move_their_indexes_behind_the_end_of_a_refit():
+    from nemo_dcr.apply.placement import Runs
+    from nemo_dcr.codec import DcrIndex
+    from nemo_dcr.refit.route_views import Router, View
+    from nemo_dcr.types import DTYPES
+
+    bf16 = DTYPES["bf16"]
+    bits = np.arange(64, dtype=np.uint16) + 0x3F00
+    view = View.build(Runs(np.array([0]), np.array([0]), np.array([64])), bits.copy(), bf16)
+    router = Router(None, {}, {"w": ("bf16", (64,))})  # its views alone: end and wait need no group
+    router.outgoing["w"] = view
+    j = np.array([3, 40])
+    new = np.array([0xBF80, 0x4100], np.uint16)
+    view.staged = (j, bits[j], new)
+    release = threading.Event()
+    update = view.index.update
+
+    def held(*a):
+        release.wait(5)
+        return update(*a)
+
+    view.index.update = held
+    router.end(True)  # returns with the bits moved and the index move in flight
+    bits[j] = new
+    assert np.array_equal(view.bits, bits) and view.staged is None
+    release.set()
+    router.wait()
+    assert view.checksum == DcrIndex.build(bits, bf16).checksum
+    assert all(np.array_equal(a, b) for a, b in zip(view.index.tables(), DcrIndex.build(bits, bf16).tables()))
