@@ -225,18 +225,21 @@ def test_the_routers_views_move_their_indexes_behind_the_end_of_a_refit():
     j = np.array([3, 40])
     new = np.array([0xBF80, 0x4100], np.uint16)
     view.staged = (j, bits[j], new)
-    release = threading.Event()
+    started, release, done = threading.Event(), threading.Event(), []
     update = view.index.update
 
     def held(*a):
+        started.set()
         release.wait(5)
-        return update(*a)
+        done.append(update(*a))
 
     view.index.update = held
     router.end(True)  # returns with the bits moved and the index move in flight
+    assert started.wait(5) and not done  # the move runs on its own thread, not yet finished
     bits[j] = new
     assert np.array_equal(view.bits, bits) and view.staged is None
     release.set()
     router.wait()
+    assert len(done) == 1
     assert view.checksum == DcrIndex.build(bits, bf16).checksum
     assert all(np.array_equal(a, b) for a, b in zip(view.index.tables(), DcrIndex.build(bits, bf16).tables()))
