@@ -22,6 +22,7 @@ import torch
 from nemo_dcr.apply.placement import Runs, view_delta
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
 from nemo_dcr.kernels import write_bits
+from nemo_dcr.kernels.workers import Behind
 from nemo_dcr.kernels.scan import changes_at
 from nemo_dcr.kernels.traffic import host_bits
 from nemo_dcr.types import DTYPES, SparseDelta, carrier
@@ -50,7 +51,15 @@ class SenderMirror:
         self.version = version
         self._staged: tuple[int, list[SparseDelta]] | None = None
         self._views: dict[str, dict[Hashable, tuple[Runs, int]]] = {}  # name -> view key -> (runs, checksum)
-        self.indexes = DcrIndexes()  # dcr class indexes of the mirror bits, moved only by commit
+        self._indexes = DcrIndexes()  # dcr class indexes of the mirror bits, moved only by commit
+        self._moving = Behind("nemo-dcr-mirror-index")  # the last commit's index update
+
+    @property
+    def indexes(self) -> DcrIndexes:
+        """The kept ``dcr`` class indexes of the mirror bits, once the last commit has moved them
+        (waits for that move; an error it ended with is raised here, once)."""
+        self._moving.wait()
+        return self._indexes
 
     def view_checksum(self, name: str, runs: Runs, key: Hashable) -> int:
         """Checksum of an engine shard's view of ``name`` (the elements at ``runs``, in view index
@@ -114,15 +123,20 @@ class SenderMirror:
 
     def commit(self, version: int, threads: int = 1) -> None:
         """The engine acknowledged ``version``: write the staged changes; the tensors' and their
-        partial views' checksums move by them (``threads``: worker threads of the index update)."""
+        partial views' checksums move by them.  The kept class indexes move on a thread of their
+        own (``threads``: its worker threads), so the refit's report does not wait for them:
+        :attr:`indexes` waits, so the next encode, build or reset sees them moved (the numba
+        kernels release the GIL; in an RL job the move runs beside the next training step)."""
         if self._staged is not None and self._staged[0] == version:
-            for d in self._staged[1]:
+            staged = self._staged[1]
+            for d in staged:
                 views = self._views.get(d.name, {})
                 for key, (runs, c) in views.items():
                     views[key] = (runs, checksum_after(c, view_delta(d, runs)))
                 write_bits(self.bits[d.name], d.positions, d.new_bits)
-            self.checksums = checksums_after(self.checksums, self._staged[1])
-            self.indexes.update(self._staged[1], threads)
+            self.checksums = checksums_after(self.checksums, staged)
+            indexes = self.indexes
+            self._moving.start(lambda: indexes.update(staged, threads))
         self._staged = None
         self.version = version
 

@@ -243,3 +243,58 @@ def test_the_routers_views_move_their_indexes_behind_the_end_of_a_refit():
     assert len(done) == 1
     assert view.checksum == DcrIndex.build(bits, bf16).checksum
     assert all(np.array_equal(a, b) for a, b in zip(view.index.tables(), DcrIndex.build(bits, bf16).tables()))
+
+
+def test_the_sender_mirror_moves_its_indexes_behind_a_commit():
+    from nemo_dcr.codec import DcrIndex, Identity
+    from nemo_dcr.refit.mirror import SenderMirror
+    from nemo_dcr.types import DTYPES, SparseDelta
+
+    bf16 = DTYPES["bf16"]
+    mirror = SenderMirror({"w": ("bf16", (64,))})
+    mirror.build_indexes()
+    index = mirror.indexes.get("w", mirror.bits["w"], bf16, mirror.checksums["w"])
+    pos = np.array([3, 40])
+    new = np.array([0xBF80, 0x4100], np.uint16)
+    (delta,) = mirror.changes([SparseDelta("w", "bf16", (64,), pos, new)])
+    mirror.encode([delta], Identity("m", "", 0, 1), "dcr", None, 1 << 20)
+    started, release, done = threading.Event(), threading.Event(), []
+    update = index.update
+
+    def held(*a):
+        started.set()
+        release.wait(5)
+        done.append(update(*a))
+        return done[-1]
+
+    index.update = held
+    mirror.commit(1)  # returns with the bits and checksums moved and the index move in flight
+    assert started.wait(5) and not done
+    bits = np.zeros(64, np.uint16)
+    bits[pos] = new
+    assert mirror.version == 1 and np.array_equal(mirror.bits["w"], bits)
+    release.set()
+    indexes = mirror.indexes  # waits for the move
+    assert len(done) == 1 and indexes.builds == 1 and indexes.moves == done[0]
+    assert indexes.kept("w", 64, bf16, mirror.checksums["w"]) is index
+    assert all(np.array_equal(a, b) for a, b in zip(index.tables(), DcrIndex.build(bits, bf16).tables()))
+
+
+def test_an_error_of_the_mirrors_index_move_is_raised_at_the_next_use():
+    from nemo_dcr.codec import Identity
+    from nemo_dcr.refit.mirror import SenderMirror
+    from nemo_dcr.types import SparseDelta
+
+    mirror = SenderMirror({"w": ("bf16", (8,))})
+    mirror.build_indexes()
+    (delta,) = mirror.changes([SparseDelta("w", "bf16", (8,), np.array([1]), np.array([0x3F80], np.uint16))])
+    mirror.encode([delta], Identity("m", "", 0, 1), "dcr", None, 1 << 20)
+
+    def broken(deltas, threads=1):
+        raise MemoryError("index move")
+
+    mirror._indexes.update = broken
+    mirror.commit(1)
+    with pytest.raises(MemoryError, match="index move"):
+        mirror.indexes
+    assert mirror.indexes is mirror._indexes  # raised once
