@@ -22,9 +22,9 @@ import torch
 from nemo_dcr.apply.placement import Runs, view_delta
 from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
 from nemo_dcr.kernels import write_bits
-from nemo_dcr.kernels.workers import Behind
 from nemo_dcr.kernels.scan import changes_at
 from nemo_dcr.kernels.traffic import host_bits
+from nemo_dcr.kernels.workers import Behind
 from nemo_dcr.types import DTYPES, SparseDelta, carrier
 from nemo_dcr.verify.checksum import checksum_after, checksums_after, tensor_checksum
 from nemo_dcr.verify.sample import Sample, runs_checksum
