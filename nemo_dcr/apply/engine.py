@@ -25,9 +25,9 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 import torch
 
-from nemo_dcr.codec import DcrIndexes
+from nemo_dcr.codec import DcrIndexes, MovedIndexes
 from nemo_dcr.kernels.traffic import host_bits
-from nemo_dcr.kernels.workers import Behind, resolve_threads
+from nemo_dcr.kernels.workers import resolve_threads
 from nemo_dcr.types import int_view, spec_of
 from nemo_dcr.verify.sample import Sample
 
@@ -74,8 +74,7 @@ class TensorEngine:
             n: ShardView(self.params[tp.param], tp.runs) for n, tp in self.placed.items()}
         self.fills = fills_outside_views(fills or {}, self.placed)
         self.key = key
-        self._indexes = DcrIndexes() if keep_index else None
-        self._moving = Behind("nemo-dcr-index-update")  # the last commit's index update
+        self._kept = MovedIndexes("nemo-dcr-index-update") if keep_index else None
         self.undo = UndoSettings(undo_limit_bytes, spill_dir)
         self.threads = resolve_threads(threads, processes=1)
         self.guard = VersionGuard(version)
@@ -93,17 +92,10 @@ class TensorEngine:
 
     @property
     def indexes(self) -> DcrIndexes | None:
-        """The kept ``dcr`` class indexes (None: not kept), once the last commit has moved them."""
-        self._moving.wait()
-        return self._indexes
-
-    def _move_indexes(self, deltas) -> None:
-        """Move the kept indexes by a committed version's deltas on a thread of its own, so the
-        commit returns (and the engine answers) first; :attr:`indexes` waits for it, so the next
-        decode, build or drop sees them moved (the numba kernels release the GIL: the update
-        runs beside whatever the engine does next, e.g. a sampled check)."""
-        indexes = self.indexes
-        self._moving.start(lambda: indexes.update(deltas, self.threads))  # an error: raised at the next use
+        """The kept ``dcr`` class indexes (None: not kept), once the last commit has moved them
+        (each commit moves them on a thread of its own, so it returns, and the engine answers,
+        first: :class:`~nemo_dcr.codec.MovedIndexes`)."""
+        return None if self._kept is None else self._kept.current
 
     def placement(self) -> list[dict]:
         """This rank's placement as one shard (JSON form), or none for tensors held whole."""
@@ -175,7 +167,7 @@ class TensorEngine:
                     self.indexes.drop(prepared.result.touched)
                     self.build_indexes(prepared.result.touched)
                 else:
-                    self._move_indexes(prepared.result.deltas)
+                    self._kept.move(prepared.result.deltas, self.threads)
         return prepared.result
 
     def rollback(self) -> ApplyResult:

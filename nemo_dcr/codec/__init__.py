@@ -7,10 +7,10 @@ Usage::
     touched = codec.apply(engine_tensors, payload)   # validates everything, then writes in place
 """
 
-from .dcr import DcrIndex, DcrIndexes
+from .dcr import DcrIndex, DcrIndexes, MovedIndexes
 from .errors import DeltaFormatError
 from .header import header_limit
 from .payload import DecodedPayload, Identity, apply, decode, diff_tensors, encode, encode_deltas, inspect
 
-__all__ = ["DcrIndex", "DcrIndexes", "DeltaFormatError", "DecodedPayload", "Identity", "apply", "decode",
-           "diff_tensors", "encode", "encode_deltas", "header_limit", "inspect"]
+__all__ = ["DcrIndex", "DcrIndexes", "DeltaFormatError", "DecodedPayload", "Identity", "MovedIndexes", "apply",
+           "decode", "diff_tensors", "encode", "encode_deltas", "header_limit", "inspect"]

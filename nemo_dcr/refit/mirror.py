@@ -20,11 +20,10 @@ import numpy as np
 import torch
 
 from nemo_dcr.apply.placement import Runs, view_delta
-from nemo_dcr.codec import DcrIndexes, Identity, encode_deltas
+from nemo_dcr.codec import DcrIndexes, Identity, MovedIndexes, encode_deltas
 from nemo_dcr.kernels import write_bits
 from nemo_dcr.kernels.scan import changes_at
 from nemo_dcr.kernels.traffic import host_bits
-from nemo_dcr.kernels.workers import Behind
 from nemo_dcr.types import DTYPES, SparseDelta, carrier
 from nemo_dcr.verify.checksum import checksum_after, checksums_after, tensor_checksum
 from nemo_dcr.verify.sample import Sample, runs_checksum
@@ -51,15 +50,13 @@ class SenderMirror:
         self.version = version
         self._staged: tuple[int, list[SparseDelta]] | None = None
         self._views: dict[str, dict[Hashable, tuple[Runs, int]]] = {}  # name -> view key -> (runs, checksum)
-        self._indexes = DcrIndexes()  # dcr class indexes of the mirror bits, moved only by commit
-        self._moving = Behind("nemo-dcr-mirror-index")  # the last commit's index update
+        self._kept = MovedIndexes("nemo-dcr-mirror-index")  # dcr class indexes of the mirror bits, moved by commit
 
     @property
     def indexes(self) -> DcrIndexes:
         """The kept ``dcr`` class indexes of the mirror bits, once the last commit has moved them
         (waits for that move; an error it ended with is raised here, once)."""
-        self._moving.wait()
-        return self._indexes
+        return self._kept.current
 
     def view_checksum(self, name: str, runs: Runs, key: Hashable) -> int:
         """Checksum of an engine shard's view of ``name`` (the elements at ``runs``, in view index
@@ -135,8 +132,7 @@ class SenderMirror:
                     views[key] = (runs, checksum_after(c, view_delta(d, runs)))
                 write_bits(self.bits[d.name], d.positions, d.new_bits)
             self.checksums = checksums_after(self.checksums, staged)
-            indexes = self.indexes
-            self._moving.start(lambda: indexes.update(staged, threads))
+            self._kept.move(staged, threads)
         self._staged = None
         self.version = version
 

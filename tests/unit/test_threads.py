@@ -293,8 +293,9 @@ def test_an_error_of_the_mirrors_index_move_is_raised_at_the_next_use():
     def broken(deltas, threads=1):
         raise MemoryError("index move")
 
-    mirror._indexes.update = broken
+    held = mirror.indexes
+    held.update = broken
     mirror.commit(1)
     with pytest.raises(MemoryError, match="index move"):
         mirror.indexes
-    assert mirror.indexes is mirror._indexes  # raised once
+    assert mirror.indexes is held  # raised once

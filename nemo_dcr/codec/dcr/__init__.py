@@ -15,7 +15,7 @@ one it makes one pass over the base.  Its independent oracles (a vectorized nump
 on torch tensors, a group-by-group coder) live in the tests (``tests/oracles``).
 """
 
-from .class_index import DcrIndex, DcrIndexes, StaleIndexError
+from .class_index import DcrIndex, DcrIndexes, MovedIndexes, StaleIndexError
 from .jit_codec import decode_dcr, encode_dcr
 
-__all__ = ["DcrIndex", "DcrIndexes", "StaleIndexError", "decode_dcr", "encode_dcr"]
+__all__ = ["DcrIndex", "DcrIndexes", "MovedIndexes", "StaleIndexError", "decode_dcr", "encode_dcr"]

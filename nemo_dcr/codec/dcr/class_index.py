@@ -29,7 +29,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from ...kernels.workers import map_records
+from ...kernels.workers import Behind, map_records
 from ...types import DtypeSpec, SparseDelta
 from ...verify.checksum import tensor_checksum, updated_checksum
 from . import jit_index as K
@@ -197,3 +197,31 @@ class DcrIndexes:
         """Bytes held by all indexes."""
         return sum(ix.nbytes for ix in self._ix.values())
 
+
+class MovedIndexes:
+    """The kept :class:`DcrIndexes` of one side of a refit, moved by each committed version on a
+    thread of their own (:class:`~nemo_dcr.kernels.workers.Behind`), so the commit returns first.
+
+    :attr:`current` waits for the move in flight, so the next encode, decode, build or drop sees
+    the indexes moved; an error the move ended with is raised there, once (the numba kernels
+    release the GIL: the move runs beside whatever the caller does next).
+
+    Args:
+        thread: the move's thread name.
+    """
+
+    def __init__(self, thread: str):
+        self._indexes = DcrIndexes()
+        self._moving = Behind(thread)
+
+    @property
+    def current(self) -> DcrIndexes:
+        """The indexes, once the last :meth:`move` is done."""
+        self._moving.wait()
+        return self._indexes
+
+    def move(self, deltas: Iterable[SparseDelta], threads: int = 1) -> None:
+        """Start moving the indexes by a committed version's ``deltas`` (``old_bits`` set;
+        ``threads``: worker threads over the tensors, ``dcr.threads``)."""
+        indexes = self.current
+        self._moving.start(lambda: indexes.update(deltas, threads))
