@@ -107,12 +107,19 @@ def stock_generation(step: Path, tokens: int) -> dict:
     return dict(tokens=toks, seconds=secs, repack_seconds=repack, linears=linears)
 
 
+def _index_moved(worker) -> None:
+    """On an engine rank: wait for the kept class indexes' move behind the last commit."""
+    worker.dcr_engine.indexes  # noqa: B018 -- the property waits for the move
+
+
 def refits(engine, w0, w1, step0: Path, step1: Path, reps: int) -> dict:
     """N x (dense refit to the step the engine holds, delta refit to the other step); phase seconds
     per repetition.  The deltas alternate step_0 -> step_1 -> step_0 ..., so that a delta starts
     from what the previous refit left, as in an RL loop: a dense load of the same bits keeps the
     engine's kept indexes, while a dense load of other bits drops them and the next delta would
-    pay their rebuild, a cost an RL loop's deltas do not have."""
+    pay their rebuild, a cost an RL loop's deltas do not have.  The delta's apply includes each
+    rank's index move, which runs behind its commit (in a job, beside generation), so the next
+    dense load does not wait for it."""
     from nemo_dcr.apply import apply_version
     from nemo_dcr.codec import Identity, diff_tensors
     from nemo_dcr.refit.fanout import Fanout
@@ -136,6 +143,7 @@ def refits(engine, w0, w1, step0: Path, step1: Path, reps: int) -> dict:
         parts = fanout.encode(deltas, Identity(base_version=v, target_version=v + 1), "dcr", KEY, 1 << 22)
         t2 = time.perf_counter()
         result = apply_version(engine, parts)
+        engine.llm.collective_rpc(_index_moved)  # the move behind the commit is the delta's, not the next dense load's
         t3 = time.perf_counter()
         out["diff"].append(t1 - t0)
         out["encode"].append(t2 - t1)
