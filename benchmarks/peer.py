@@ -27,7 +27,11 @@ on both sides, default 1); every path's wall seconds are printed too (``send_wal
 threads CPU time sums over them.  Prints one JSON object: per-phase
 seconds, send/receive/total, bytes per changed element, the ratios against the NeMo-RL-style
 path measured in the same run, and the ratio of a step's cost to its tenth's.  The per-phase
-ns per change of the project's own path are in ``--phases`` (:mod:`peer_phases`).
+ns per change of the project's own path (:mod:`peer_phases`) are in ``dcr_ns_per_change``; its
+fixed cost per refit, phase by phase in ms, in ``dcr_ms_at_floor``: the same probed refit at a
+random ``--floor`` fraction of the step's changes (default 0.001, a few changes per tensor), where
+almost nothing is per-change work, so what is left is what every refit pays whatever it changes
+(the dense capture scan, and per-record work) and what keeps a step from costing 10x its tenth.
 """
 
 from __future__ import annotations
@@ -224,8 +228,12 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch and numba threads")
     p.add_argument("--dcr-threads", type=int, default=1, help="dcr.threads of the project's paths")
+    p.add_argument("--floor", type=float, default=0.001,
+                   help="fraction of the step's changes at which the fixed cost per refit is measured")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if not 0 < args.floor < 1:
+        p.error(f"--floor must be a fraction in (0, 1), got {args.floor}")
     torch.set_num_threads(args.threads)
     import numba
 
@@ -244,6 +252,12 @@ def main(argv=None) -> int:
         res = measure(paths, base, _state(base, ds), args.reps)
         out[label] = {"density": changed / numel, **summarize(res, changed)}
     out["dcr_ns_per_change"] = phases(paths["dcr"], base, _state(base, deltas), out["step"]["changed"], args.reps)
+    floor = subsample(deltas, args.floor)
+    few = sum(d.nnz for d in floor)
+    at_floor = phases(paths["dcr"], base, _state(base, floor), few, args.reps)
+    out["dcr_ms_at_floor"] = {"fraction": args.floor, "changed": few, "records": sum(1 for d in floor if d.nnz),
+                              "phases": {ph: {k: v * few / 1e6 for k, v in subs.items()} for ph, subs in at_floor.items()},
+                              "total": sum(subs["total"] for subs in at_floor.values()) * few / 1e6}
     out["cost_follows_changes"] = {k: out["step"]["paths"][k]["total"] / out["tenth"]["paths"][k]["total"]
                                    for k in PATHS}
     text = json.dumps(out, indent=1)
