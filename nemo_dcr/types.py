@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ class DtypeSpec:
     exp_shift: int
     exp_bits: int
 
-    @property
+    @cached_property
     def uint(self) -> np.dtype:
         """Unsigned numpy integer type of the same width."""
         return np.dtype(UNSIGNED[self.width])
@@ -70,6 +71,7 @@ DTYPES: dict[str, DtypeSpec] = {
     )
 }
 _BY_TORCH = {s.torch_dtype: s for s in DTYPES.values()}
+_INT64 = np.dtype(np.int64)
 
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 """Width in bytes -> unsigned numpy type (how bits are held in numpy)."""
@@ -77,6 +79,8 @@ CARRIER_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 """Width in bytes -> the numpy type whose torch counterpart exists (torch has no uint16/32)."""
 CARRIER_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Width in bytes -> the torch integer type of integer views."""
+_CARRIERS = frozenset(CARRIER_TORCH.values())
+_CARRIER_OF = {s.torch_dtype: CARRIER_TORCH[s.width] for s in DTYPES.values()}
 
 
 class UnsupportedDtypeError(TypeError):
@@ -102,10 +106,12 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     """
     if not t.is_contiguous():
         raise ValueError("tensors must be contiguous to be viewed as integers (a view would copy)")
+    dtype = t.dtype
+    carrier_of = _CARRIER_OF.get(dtype)
+    if carrier_of is None and dtype not in _CARRIERS:
+        spec_of(dtype)  # raises UnsupportedDtypeError
     flat = t.detach().reshape(-1)
-    if t.dtype in CARRIER_TORCH.values():
-        return flat
-    return flat.view(CARRIER_TORCH[spec_of(t.dtype).width])
+    return flat if carrier_of is None else flat.view(carrier_of)
 
 
 def bits_view(t: torch.Tensor) -> np.ndarray:
@@ -113,8 +119,8 @@ def bits_view(t: torch.Tensor) -> np.ndarray:
 
     Writing into the returned array writes into ``t``.
     """
-    spec = spec_of(t.dtype)
-    if t.device.type != "cpu":
+    spec = _BY_TORCH.get(t.dtype) or spec_of(t.dtype)
+    if not t.is_cpu:
         raise ValueError(f"bits_view needs a CPU tensor, got device {t.device}")
     if not t.is_contiguous():
         raise ValueError("bits_view needs a contiguous tensor (a view would silently copy)")
@@ -166,6 +172,14 @@ class SparseDelta:
     old_bits: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        spec = DTYPES.get(self.dtype)
+        pos, new, old = self.positions, self.new_bits, self.old_bits
+        if (spec is not None and type(self.shape) is tuple and type(pos) is np.ndarray and type(new) is np.ndarray
+                and pos.ndim == 1 and new.ndim == 1 and pos.dtype == _INT64 and new.dtype == spec.uint
+                and new.size == pos.size and (old is None or (type(old) is np.ndarray and old.ndim == 1
+                                                              and old.dtype == new.dtype and old.size == pos.size))
+                and all(type(s) is int and s >= 0 for s in self.shape)):
+            return  # the common case, checked at once; anything else gets the checks below and their message
         where = f"SparseDelta {self.name!r}"
         if self.dtype not in DTYPES:
             raise DeltaInputError(f"{where}: dtype {self.dtype!r} is not a wire dtype; known: {', '.join(DTYPES)}")

@@ -35,7 +35,8 @@ import torch
 from nemo_dcr.codec import DcrIndexes, decode, inspect
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
 from nemo_dcr.kernels import read_bits, unequal_at, write_bits
-from nemo_dcr.kernels.traffic import HostDeviceBytes, device_path, measure, to_device, to_host
+from nemo_dcr.kernels.inplace import width_of
+from nemo_dcr.kernels.traffic import HostDeviceBytes, device_path, host_bits, measure, on_host, to_device, to_host
 from nemo_dcr.kernels.workers import map_records, parallel
 from nemo_dcr.types import SparseDelta, carrier, int_view, spec_of
 from nemo_dcr.verify.checksum import tensor_checksum
@@ -81,12 +82,21 @@ class Bases(Mapping):
         return len(self._t)
 
 
-def _target(t: Live, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat integer view to write, positions in it) for record positions of ``t``."""
+def _target(t: Live, positions: np.ndarray) -> tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]:
+    """(flat integer view to write, positions in it) for record positions of ``t``: for a host
+    tensor its numpy bits and the positions as they are (so the writes, the undo log and the
+    read-back take no torch op per record)."""
     if isinstance(t, ShardView):
         return t.flat(), t.locate(positions)
+    if on_host(t):
+        return host_bits(t), positions
     view = int_view(t)
     return view, to_device(np.ascontiguousarray(positions, np.int64), view.device)
+
+
+def _storage(t: Live) -> int:
+    """Address of the storage ``t`` (or the engine param a view lies in) writes into."""
+    return (t.flat() if isinstance(t, ShardView) else t).untyped_storage().data_ptr()
 
 
 @dataclass(frozen=True)
@@ -236,8 +246,9 @@ def _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo
     return Prepared(result, log)
 
 
-Written = list[tuple[SparseDelta, torch.Tensor, torch.Tensor]]
-"""What :func:`write_deltas` wrote: each delta with the integer view and the positions in it."""
+Written = list[tuple[SparseDelta, "torch.Tensor | np.ndarray", "torch.Tensor | np.ndarray"]]
+"""What :func:`write_deltas` wrote: each delta with the integer view (a host tensor's numpy bits)
+and the positions in it."""
 
 
 def write_deltas(undo: UndoLog, tensors: Mapping[str, Live], deltas: Sequence[SparseDelta],
@@ -253,7 +264,7 @@ def write_deltas(undo: UndoLog, tensors: Mapping[str, Live], deltas: Sequence[Sp
     deltas = [d for d in deltas if d.nnz]
     targets = map_records(lambda d: _target(tensors[d.name], d.positions), deltas, threads, _nnz)
     written = [(d, view, pos) for d, (view, pos) in zip(deltas, targets)]
-    shared = len({v.untyped_storage().data_ptr() for _, v, _ in written}) < len(written)
+    shared = len({_storage(tensors[d.name]) for d in deltas}) < len(written)
     if shared or not parallel(deltas, threads, _nnz):
         for d, view, pos in written:
             undo.scatter(view, pos, d.new_bits, d.old_bits)
@@ -294,7 +305,7 @@ def verify_written(written: Written, threads: int = 1) -> None:
         d, view, pos = w
         bad = unequal_at(view, pos, d.new_bits)
         if bad >= 0:
-            got = int(read_bits(view, pos[bad : bad + 1])[0]) & ((1 << (8 * view.element_size())) - 1)
+            got = int(read_bits(view, pos[bad : bad + 1])[0]) & ((1 << (8 * width_of(view))) - 1)
             raise ApplyVerificationError(f"{d.name}: element {int(d.positions[bad])} reads back {got:#x} after the "
                                          f"write, the version writes {int(d.new_bits[bad]):#x}")
 

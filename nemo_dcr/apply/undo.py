@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.kernels import read_bits, write_bits
+from nemo_dcr.kernels.inplace import count_of, width_of
 from nemo_dcr.kernels.traffic import to_device, to_host
 
 UNDO_MEMORY_BYTES = 256 << 20
@@ -29,8 +30,8 @@ SPILL_PIECE = 1 << 20
 
 @dataclass
 class _Entry:
-    view: torch.Tensor  # integer view written
-    pos: torch.Tensor | None  # flat positions written; None: the whole view
+    view: torch.Tensor | np.ndarray  # integer view written (a numpy bit array for host memory)
+    pos: torch.Tensor | np.ndarray | None  # flat positions written; None: the whole view
     old: torch.Tensor | np.ndarray | None  # old bits in memory (host arrays stay on the host); None: spilled
     offset: int = 0  # byte offset of the spilled old bits
     count: int = 0
@@ -52,12 +53,12 @@ class UndoLog:
         self.held_bytes = 0
         self.spilled_bytes = 0
 
-    def scatter(self, view: torch.Tensor, pos: torch.Tensor, new, old: np.ndarray | None = None) -> None:
+    def scatter(self, view: torch.Tensor | np.ndarray, pos: torch.Tensor | np.ndarray, new, old: np.ndarray | None = None) -> None:
         """``view[pos] = new`` after saving the bits ``view`` holds at ``pos``.
 
         Args:
-            view: integer view written.
-            pos: flat positions in it.
+            view: integer view written, or the numpy bits of a host tensor.
+            pos: flat positions in it (numpy or torch).
             new: the bits to write (numpy or torch, the view's width).
             old: the bits ``view`` holds at ``pos`` when the caller read them already under the
                 same write guard (the transaction's decode did): kept instead of read again.
@@ -65,17 +66,18 @@ class UndoLog:
         self.save(view, pos, old)
         write_bits(view, pos, new)
 
-    def save(self, view: torch.Tensor, pos: torch.Tensor, old: np.ndarray | None = None) -> None:
+    def save(self, view: torch.Tensor | np.ndarray, pos: torch.Tensor | np.ndarray, old: np.ndarray | None = None) -> None:
         """What :meth:`scatter` saves before it writes (the bits ``view`` holds at ``pos``, or
         ``old``); the caller writes ``pos`` after (worker threads do, for several tensors at once)."""
-        nbytes = pos.numel() * view.element_size()
+        count = count_of(pos)
+        nbytes = count * width_of(view)
         if self.held_bytes + nbytes <= self.limit_bytes:
             self._entries.append(_Entry(view, pos, read_bits(view, pos) if old is None else np.ascontiguousarray(old)))
             self.held_bytes += nbytes
         else:
             pieces = (read_bits(view, pos[s : s + SPILL_PIECE]) if old is None else old[s : s + SPILL_PIECE]
-                      for s in range(0, pos.numel(), SPILL_PIECE))
-            self._entries.append(self._spill(view, pos, pieces, pos.numel()))
+                      for s in range(0, count, SPILL_PIECE))
+            self._entries.append(self._spill(view, pos, pieces, count))
 
     def overwrite(self, view: torch.Tensor, new: torch.Tensor) -> None:
         """``view[:] = new`` (flat) after saving the whole tensor."""
@@ -96,13 +98,15 @@ class UndoLog:
         for piece in pieces:
             host = piece if isinstance(piece, np.ndarray) else to_host(piece).contiguous().numpy()
             self._file.write(np.ascontiguousarray(host).tobytes())
-        self.spilled_bytes += count * view.element_size()
+        self.spilled_bytes += count * width_of(view)
         return _Entry(view, pos, None, offset, count)
 
     def _spilled(self, e: _Entry, start: int, stop: int) -> torch.Tensor:
-        width = e.view.element_size()
+        width = width_of(e.view)
         self._file.seek(e.offset + start * width)
         raw = np.frombuffer(self._file.read((stop - start) * width), dtype=f"<i{width}" if width > 1 else "u1")
+        if isinstance(e.view, np.ndarray):
+            return raw.copy()
         return to_device(raw.copy(), e.view.device).view(e.view.dtype)
 
     def rollback(self) -> None:
@@ -116,7 +120,7 @@ class UndoLog:
                 if e.pos is None:
                     e.view.reshape(-1)[s : s + old.numel()].copy_(old)
                 else:
-                    write_bits(e.view, e.pos[s : s + old.numel()], old)
+                    write_bits(e.view, e.pos[s : s + count_of(old)], old)
         self.close()
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ class RecordInfo:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "numel": self.numel,
                 "encoding": self.encoding, "changed": self.changed, "length": self.length, "crc": self.crc,
                 "base_checksum": self.base_checksum, "target_checksum": self.target_checksum,
-                "params": copy.deepcopy(self.params)}
+                "params": copy.deepcopy(self.params) if self.params else {}}
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,8 @@ _RECORD_TYPES = {"name": str, "dtype": str, "shape": list, "numel": int, "encodi
 def _check_keys(obj, types: dict, where: str) -> None:
     if not isinstance(obj, dict):
         raise MalformedHeaderError(f"{where} is not a JSON object")
-    missing, unknown = set(types) - set(obj), set(obj) - set(types)
-    if missing or unknown:
+    if obj.keys() != types.keys():
+        missing, unknown = set(types) - set(obj), set(obj) - set(types)
         raise MalformedHeaderError(f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
     for k, t in types.items():
         if not isinstance(obj[k], t) or (t is int and isinstance(obj[k], bool)):

@@ -43,6 +43,16 @@ def _as_bits(bits, like: torch.Tensor) -> torch.Tensor:
     return t.to(like.device).view(like.dtype)
 
 
+def width_of(target: torch.Tensor | np.ndarray) -> int:
+    """Bytes per element of a write target: a tensor or a numpy bit array."""
+    return target.itemsize if isinstance(target, np.ndarray) else target.element_size()
+
+
+def count_of(positions: torch.Tensor | np.ndarray) -> int:
+    """Number of positions (a tensor's or a numpy array's)."""
+    return positions.size if isinstance(positions, np.ndarray) else positions.numel()
+
+
 def _host_index(positions) -> np.ndarray:
     if isinstance(positions, torch.Tensor):
         positions = positions.cpu().numpy()

@@ -74,7 +74,7 @@ def device_path(on: bool = True) -> Iterator[None]:
 
 def on_host(t: torch.Tensor) -> bool:
     """``t`` is host memory the host kernels may read through numpy (not under :func:`device_path`)."""
-    return t.device.type == "cpu" and not _DEVICE_PATH.get()
+    return t.is_cpu and not _DEVICE_PATH.get()
 
 
 def _count(to_host: int = 0, to_device: int = 0) -> None:
@@ -101,7 +101,8 @@ def to_device(a: "np.ndarray | torch.Tensor", device: torch.device) -> torch.Ten
     else:
         a = np.ascontiguousarray(a)
         host = torch.from_numpy(a.view(f"i{a.itemsize}") if a.dtype.kind == "u" and a.itemsize > 1 else a)
-    if torch.device(device).type == "cpu" and not _DEVICE_PATH.get():
+    if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cpu" \
+            and not _DEVICE_PATH.get():
         return host
     _count(to_device=host.numel() * host.element_size())
     return host.to(device, copy=True, non_blocking=host.is_pinned())
