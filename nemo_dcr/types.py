@@ -71,7 +71,6 @@ DTYPES: dict[str, DtypeSpec] = {
     )
 }
 _BY_TORCH = {s.torch_dtype: s for s in DTYPES.values()}
-_INT64 = np.dtype(np.int64)
 
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 """Width in bytes -> unsigned numpy type (how bits are held in numpy)."""
@@ -119,7 +118,7 @@ def bits_view(t: torch.Tensor) -> np.ndarray:
 
     Writing into the returned array writes into ``t``.
     """
-    spec = _BY_TORCH.get(t.dtype) or spec_of(t.dtype)
+    spec = spec_of(t.dtype)
     if not t.is_cpu:
         raise ValueError(f"bits_view needs a CPU tensor, got device {t.device}")
     if not t.is_contiguous():
@@ -172,14 +171,6 @@ class SparseDelta:
     old_bits: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        spec = DTYPES.get(self.dtype)
-        pos, new, old = self.positions, self.new_bits, self.old_bits
-        if (spec is not None and type(self.shape) is tuple and type(pos) is np.ndarray and type(new) is np.ndarray
-                and pos.ndim == 1 and new.ndim == 1 and pos.dtype == _INT64 and new.dtype == spec.uint
-                and new.size == pos.size and (old is None or (type(old) is np.ndarray and old.ndim == 1
-                                                              and old.dtype == new.dtype and old.size == pos.size))
-                and all(type(s) is int and s >= 0 for s in self.shape)):
-            return  # the common case, checked at once; anything else gets the checks below and their message
         where = f"SparseDelta {self.name!r}"
         if self.dtype not in DTYPES:
             raise DeltaInputError(f"{where}: dtype {self.dtype!r} is not a wire dtype; known: {', '.join(DTYPES)}")

@@ -96,7 +96,7 @@ def _target(t: Live, positions: np.ndarray) -> tuple[torch.Tensor | np.ndarray, 
 
 def _storage(t: Live) -> int:
     """Address of the storage ``t`` (or the engine param a view lies in) writes into."""
-    return (t.flat() if isinstance(t, ShardView) else t).untyped_storage().data_ptr()
+    return (t.param if isinstance(t, ShardView) else t).untyped_storage().data_ptr()
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,7 @@ def _check_key(key: bytes | None) -> None:
 
 def _flat_bits(t: torch.Tensor) -> np.ndarray:
     """Host bits of the whole tensor: a view of host memory, else one (counted) copy."""
-    t = t.detach()
-    return bits_view(t if on_host(t) and t.is_contiguous() else to_host(t).contiguous())
+    return bits_view(to_host(t.detach()).contiguous())
 
 
 def _changes(x: SparseDelta | tuple[RecordInfo, memoryview]) -> int:

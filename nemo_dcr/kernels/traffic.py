@@ -101,8 +101,7 @@ def to_device(a: "np.ndarray | torch.Tensor", device: torch.device) -> torch.Ten
     else:
         a = np.ascontiguousarray(a)
         host = torch.from_numpy(a.view(f"i{a.itemsize}") if a.dtype.kind == "u" and a.itemsize > 1 else a)
-    if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cpu" \
-            and not _DEVICE_PATH.get():
+    if torch.device(device).type == "cpu" and not _DEVICE_PATH.get():
         return host
     _count(to_device=host.numel() * host.element_size())
     return host.to(device, copy=True, non_blocking=host.is_pinned())
