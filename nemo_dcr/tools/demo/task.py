@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.checkpoint import save_checkpoint
+from nemo_dcr.tools.bf16_products import bf16_products_in_fp32
 from nemo_dcr.integrations.hf.model import load_embedded_model, load_embedded_tokenizer, state_dict_bits
 from nemo_dcr.types import bits_view
 
@@ -169,7 +170,7 @@ def sample(model, tokenizer, problems: list[Problem], cfg: RLConfig):
     """
     eos = tokenizer.eos_token_id
     ids, mask = pad_left(prompt_ids(tokenizer, problems), eos)
-    with torch.no_grad():
+    with torch.no_grad(), bf16_products_in_fp32(model.device):
         seqs = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
             top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens,

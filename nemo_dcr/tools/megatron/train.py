@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.integrations.megatron.params import LocalParam
+from nemo_dcr.tools.bf16_products import bf16_products_in_fp32
 
 
 def _stage_io():
@@ -41,7 +42,8 @@ def _run_stage(model, tokens: torch.Tensor, labels, hidden: int, dtype: torch.dt
     pos = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     seq = tokens.shape[1]
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
-    out = model(tokens, pos, mask, labels=labels)  # explicit mask: the default one is CUDA
+    with bf16_products_in_fp32(device):
+        out = model(tokens, pos, mask, labels=labels)  # explicit mask: the default one is CUDA
     return inp, out
 
 
@@ -92,13 +94,15 @@ def pipeline_forward_backward(model, tokens: torch.Tensor, labels: torch.Tensor,
     loss = None
     if last:
         loss_t = reduce(out)
-        loss_t.backward()
+        with bf16_products_in_fp32(out.device):
+            loss_t.backward()
         loss = float(loss_t)
     else:
         dist.send(out.detach().contiguous(), dst=nxt)
         grad = torch.empty_like(out)
         dist.recv(grad, src=nxt)
-        out.backward(grad)
+        with bf16_products_in_fp32(out.device):
+            out.backward(grad)
     if not first:
         dist.send(inp.grad.contiguous(), dst=prev)
     return loss
