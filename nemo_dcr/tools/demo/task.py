@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.checkpoint import save_checkpoint
-from nemo_dcr.tools.bf16_products import bf16_products_in_fp32
+from nemo_dcr.tools.megatron.bf16_products import bf16_products_in_fp32
 from nemo_dcr.integrations.hf.model import load_embedded_model, load_embedded_tokenizer, state_dict_bits
 from nemo_dcr.types import bits_view
 

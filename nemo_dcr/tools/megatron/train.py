@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.integrations.megatron.params import LocalParam
-from nemo_dcr.tools.bf16_products import bf16_products_in_fp32
+from .bf16_products import bf16_products_in_fp32
 
 
 def _stage_io():
