@@ -35,9 +35,14 @@ def _llvmlite_has_a_real_dict() -> None:
 _llvmlite_has_a_real_dict()
 
 
-def njit(fn):
-    """Compile ``fn`` lazily per argument types, cached on disk, without the GIL."""
-    return numba.njit(cache=True, nogil=True)(fn)
+def njit(fn=None, *, inline: bool = False):
+    """Compile ``fn`` lazily per argument types, cached on disk, without the GIL.
+
+    ``inline=True`` (as ``@njit(inline=True)``): numba inlines the function into each compiled
+    caller, so small state-passing helpers (a bit writer's registers as a tuple) cost no call."""
+    if fn is None:
+        return lambda f: njit(f, inline=inline)
+    return numba.njit(cache=True, nogil=True, inline="always" if inline else "never")(fn)
 
 
 def _zero_bits(op: str, doc: str):

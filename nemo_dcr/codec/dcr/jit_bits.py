@@ -113,35 +113,78 @@ def get_varint(buf, at, end):
 
 
 # ------------------------------------------------------------------------------------------ writing
-@njit
-def put_code(v, k, out, qoff, st, rbuf):
-    """Rice code of ``v`` with ``k``: a unary quotient at bit ``st[0]`` of ``out[qoff:]``, the low
-    ``k`` bits (MSB first) into ``rbuf`` through the accumulator ``st[1:4]``."""
-    qp = st[0] + (v >> k)
-    out[qoff + (qp >> 3)] |= np.uint8(0x80 >> (qp & 7))
-    st[0] = qp + 1
-    acc, nacc, rb = st[1], st[2], st[3]
+# A writer of the two streams is a tuple of registers ``(qp, qacc, nq, racc, nr, rb)``: the Q
+# stream's next byte ``out[qp]`` and its ``nq < 8`` pending bits in ``qacc``; the R stream's
+# ``nr < 8`` pending bits in ``racc`` and its next byte ``rbuf[rb]``.  The helpers take it and
+# return it (inlined: the registers never go through memory), whole bytes are stored as they fill.
+
+@njit(inline=True)
+def writer(qoff):
+    """A writer whose Q stream starts at byte ``qoff`` of ``out``."""
+    return (np.int64(qoff), np.int64(0), np.int64(0), np.int64(0), np.int64(0), np.int64(0))
+
+
+@njit(inline=True)
+def _put_q(bits, n, qp, qacc, nq, out):
+    """Append the ``n <= 56`` low bits of ``bits`` (MSB first) to the Q stream."""
+    qacc = (qacc << n) | bits
+    nq += n
+    while nq >= 8:
+        nq -= 8
+        out[qp] = (qacc >> nq) & 0xFF
+        qp += 1
+    return qp, qacc & ((1 << nq) - 1), nq
+
+
+@njit(inline=True)
+def put_code(v, k, w, out, rbuf):
+    """Rice code of ``v`` with ``k``: a unary quotient (``v >> k`` zeros, then a one) in the Q
+    stream, the low ``k`` bits (MSB first) in the R stream; returns the writer."""
+    qp, qacc, nq, racc, nr, rb = w
+    u = v >> k
+    while u > 48:  # a long quotient: its zeros 48 at a time
+        qp, qacc, nq = _put_q(0, 48, qp, qacc, nq, out)
+        u -= 48
+    qp, qacc, nq = _put_q(1, u + 1, qp, qacc, nq, out)
     while k > 0:
         t = min(k, 32)
-        acc = (acc << t) | ((v >> (k - t)) & ((1 << t) - 1))
-        nacc += t
+        racc = (racc << t) | ((v >> (k - t)) & ((1 << t) - 1))
+        nr += t
         k -= t
-        while nacc >= 8:
-            nacc -= 8
-            rbuf[rb] = (acc >> nacc) & 0xFF
+        while nr >= 8:
+            nr -= 8
+            rbuf[rb] = (racc >> nr) & 0xFF
             rb += 1
-        acc &= (1 << nacc) - 1
-    st[1], st[2], st[3] = acc, nacc, rb
+        racc &= (1 << nr) - 1
+    return (qp, qacc, nq, racc, nr, rb)
+
+
+@njit(inline=True)
+def put_bitmap(flags, gs, n, side, w, out):
+    """The Rice codes (``k = 0``) of the set ``{x < n : flags[gs + x] == side}`` whose last member
+    is ``n - 1``: exactly its membership bits, 32 at a time."""
+    qp, qacc, nq, racc, nr, rb = w
+    for x0 in range(0, n, 32):
+        t = min(32, n - x0)
+        bits = 0
+        for x in range(x0, x0 + t):
+            bits = (bits << 1) | (flags[gs + x] == side)
+        qp, qacc, nq = _put_q(bits, t, qp, qacc, nq, out)
+    return (qp, qacc, nq, racc, nr, rb)
 
 
 @njit
-def merge_r(out, qoff, q_len, st, rbuf):
-    """Flush the remainder accumulator and OR the remainder stream in after ``q_len`` Q bits."""
-    if st[2]:
-        rbuf[st[3]] = (st[1] << (8 - st[2])) & 0xFF
-        st[3] += 1
+def close_streams(w, out, qoff, q_len, rbuf):
+    """Flush both streams and OR the R stream into ``out`` after the ``q_len`` Q bits that start at
+    byte ``qoff`` (``out`` zero there and after)."""
+    qp, qacc, nq, racc, nr, rb = w
+    if nq:
+        out[qp] = (qacc << (8 - nq)) & 0xFF
+    if nr:
+        rbuf[rb] = (racc << (8 - nr)) & 0xFF
+        rb += 1
     sh, ob = q_len & 7, qoff + (q_len >> 3)
-    for j in range(st[3]):
+    for j in range(rb):
         out[ob + j] |= np.uint8(rbuf[j] >> sh)
         if sh and ob + j + 1 < out.size:
             out[ob + j + 1] |= np.uint8((rbuf[j] << (8 - sh)) & 0xFF)

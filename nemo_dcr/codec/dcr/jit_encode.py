@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...kernels.jit import njit
-from .jit_bits import best_k, merge_r, put_code, put_varint, set_rice_k, signed_step, varint_len
+from .jit_bits import best_k, close_streams, put_bitmap, put_code, put_varint, set_rice_k, signed_step, varint_len, writer
 
 # a group closes once it holds this many changes (measured: merging exponents costs more than the table saves)
 MIN_GROUP_CHANGES = 1
@@ -76,32 +76,41 @@ def _groups(ccount, min_group):
     return lo, widths[:g]
 
 
-@njit
-def _set_bits(flags, gs, n, emit, out, qoff, st, rbuf):
-    """Q bits of the coded set ``{x < n : flags[gs + x]}`` (and its R bits); written when ``emit``."""
+@njit(inline=True)
+def _set_bits(flags, gs, n, emit, w, out, rbuf):
+    """Q and R bits of the coded set ``{x < n : flags[gs + x]}``, and the writer (its codes written
+    when ``emit``): ``(q, r, w)``."""
     c = 0
     for x in range(n):
         c += flags[gs + x]
     if c == 0 or c == n:
-        return 0, 0
+        return 0, 0, w
     side = 2 * c <= n  # members coded, else non-members
     coded = c if side else n - c
     k = set_rice_k(coded, n)
+    if k == 0:  # the codes are the membership bits up to the last coded element
+        last = n - 1
+        while flags[gs + last] != side:
+            last -= 1
+        if emit:
+            w = put_bitmap(flags, gs, last + 1, side, w, out)
+        return last + 1, 0, w
     q, prev = 0, -1
     for x in range(n):
         if flags[gs + x] == side:
             q += ((x - prev - 1) >> k) + 1
             if emit:
-                put_code(x - prev - 1, k, out, qoff, st, rbuf)
+                w = put_code(x - prev - 1, k, w, out, rbuf)
             prev = x
-    return q, coded * k
+    return q, coded * k, w
 
 
-@njit
-def _rank_bits(rank, gs, n, size, emit, out, qoff, st, rbuf):
-    """Q and R bits of the coded set of changed ranks ``rank[gs:gs + n]`` among ``size``."""
+@njit(inline=True)
+def _rank_bits(rank, gs, n, size, emit, w, out, rbuf):
+    """Q and R bits of the coded set of changed ranks ``rank[gs:gs + n]`` among ``size``, and the
+    writer: ``(q, r, w)``."""
     if n == 0 or n == size:
-        return 0, 0
+        return 0, 0, w
     side = 2 * n <= size
     coded = n if side else size - n
     k = set_rice_k(coded, size)
@@ -110,9 +119,9 @@ def _rank_bits(rank, gs, n, size, emit, out, qoff, st, rbuf):
         for i in range(gs, gs + n):
             q += ((rank[i] - prev - 1) >> k) + 1
             if emit:
-                put_code(rank[i] - prev - 1, k, out, qoff, st, rbuf)
+                w = put_code(rank[i] - prev - 1, k, w, out, rbuf)
             prev = rank[i]
-        return q, coded * k
+        return q, coded * k, w
     j = gs
     for x in range(size):
         if j < gs + n and rank[j] == x:
@@ -120,21 +129,22 @@ def _rank_bits(rank, gs, n, size, emit, out, qoff, st, rbuf):
             continue
         q += ((x - prev - 1) >> k) + 1
         if emit:
-            put_code(x - prev - 1, k, out, qoff, st, rbuf)
+            w = put_code(x - prev - 1, k, w, out, rbuf)
         prev = x
-    return q, coded * k
+    return q, coded * k, w
 
 
-@njit
-def _values_bits(vals, flags, gs, n, k, emit, out, qoff, st, rbuf):
-    """Q bits of ``vals[gs + x]`` (``x < n``) where ``flags[gs + x]`` (every ``x`` when ``flags`` is empty)."""
+@njit(inline=True)
+def _values_bits(vals, flags, gs, n, k, emit, w, out, rbuf):
+    """Q bits of ``vals[gs + x]`` (``x < n``) where ``flags[gs + x]`` (every ``x`` when ``flags`` is
+    empty), and the writer: ``(q, w)``."""
     q = 0
     for x in range(n):
         if flags.size == 0 or flags[gs + x]:
             q += (vals[gs + x] >> k) + 1
             if emit:
-                put_code(vals[gs + x], k, out, qoff, st, rbuf)
-    return q
+                w = put_code(vals[gs + x], k, w, out, rbuf)
+    return q, w
 
 
 @njit
@@ -176,11 +186,12 @@ def _literals(nw, gs, n, litv, ehist, mb, nbits):
 def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits):
     """Pass A for group ``g`` (changes ``gs .. gs + n`` in rank order): every table field, the
     steps-or-literals choice and the group's Q and R bits."""
-    negf, nzf, extra, litv, ehist, none, out, st, rbuf = work
+    negf, nzf, extra, litv, ehist, none = work
+    w, out, rbuf = writer(0), np.zeros(0, np.uint8), np.zeros(0, np.uint8)  # nothing is written here
     n_neg, m_off, n_nz, k_val = _steps(dd, gs, n, negf, nzf, extra)
-    q1, r1 = _set_bits(negf, gs, n, False, out, 0, st, rbuf)
-    q2, r2 = _set_bits(nzf, gs, n, False, out, 0, st, rbuf)
-    q3 = _values_bits(extra, nzf, gs, n, k_val, False, out, 0, st, rbuf)
+    q1, r1, w = _set_bits(negf, gs, n, False, w, out, rbuf)
+    q2, r2, w = _set_bits(nzf, gs, n, False, w, out, rbuf)
+    q3, w = _values_bits(extra, nzf, gs, n, k_val, False, w, out, rbuf)
     step = q1 + r1 + q2 + r2 + q3 + n_nz * k_val + 8 * (varint_len(n_neg) + varint_len(m_off) + varint_len(n_nz)
                                                         + (n_nz > 0))
     e_ref, k_lit, ql, lit = 0, 0, 0, False
@@ -188,9 +199,9 @@ def _group_stats(g, gs, n, size, rank, dd, nw, work, stats, mb, nbits):
     if n * (mb + 2) + 8 * (varint_len(n + 1) + 2) < step:  # literals could be smaller: cost them exactly
         e_ref, k_lit = _literals(nw, gs, n, litv, ehist, mb, nbits)
         kl += k_lit
-        ql = _values_bits(litv, none, gs, n, kl, False, out, 0, st, rbuf)
+        ql, w = _values_bits(litv, none, gs, n, kl, False, w, out, rbuf)
         lit = ql + n * kl + 8 * (varint_len(n + 1) + varint_len(e_ref) + 1) < step
-    qr, rr = _rank_bits(rank, gs, n, size, False, out, 0, st, rbuf)
+    qr, rr, w = _rank_bits(rank, gs, n, size, False, w, out, rbuf)
     qb = qr + (ql if lit else q1 + q2 + q3)
     rb = rr + (n * kl if lit else r1 + r2 + n_nz * k_val)
     stats[g, N], stats[g, NNEG], stats[g, MOFF], stats[g, NNZ], stats[g, KVAL] = n, n_neg, m_off, n_nz, k_val
@@ -244,20 +255,22 @@ def _sorted_changes(old_bits, new_bits, s, nbits, mb, emask):
 
 
 @njit
-def _emit(G, gstart, sizes, rank, stats, work, qoff, mb):
-    """Pass B: every group's items, in stream order."""
-    negf, nzf, extra, litv, ehist, none, out, st, rbuf = work
+def _emit(G, gstart, sizes, rank, stats, work, out, qoff, rbuf, mb):
+    """Pass B: every group's items, in stream order; returns the writer."""
+    negf, nzf, extra, litv, ehist, none = work
+    w = writer(qoff)
     for g in range(G):
         gs, n = gstart[g], stats[g, N]
         if n == 0:
             continue
-        _rank_bits(rank, gs, n, sizes[g], True, out, qoff, st, rbuf)
+        _, _, w = _rank_bits(rank, gs, n, sizes[g], True, w, out, rbuf)
         if stats[g, LIT]:
-            _values_bits(litv, none, gs, n, stats[g, KLIT] + mb + 1, True, out, qoff, st, rbuf)
+            _, w = _values_bits(litv, none, gs, n, stats[g, KLIT] + mb + 1, True, w, out, rbuf)
             continue
-        _set_bits(negf, gs, n, True, out, qoff, st, rbuf)
-        _set_bits(nzf, gs, n, True, out, qoff, st, rbuf)
-        _values_bits(extra, nzf, gs, n, stats[g, KVAL], True, out, qoff, st, rbuf)
+        _, _, w = _set_bits(negf, gs, n, True, w, out, rbuf)
+        _, _, w = _set_bits(nzf, gs, n, True, w, out, rbuf)
+        _, w = _values_bits(extra, nzf, gs, n, stats[g, KVAL], True, w, out, rbuf)
+    return w
 
 
 @njit
@@ -282,8 +295,7 @@ def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group):
     stats = np.zeros((G, 10), np.int64)
     # every entry of these is written for its group before it is read (literals: once costed)
     work = (np.empty(m, np.bool_), np.empty(m, np.bool_), np.empty(m, np.int64), np.empty(m, np.int64),
-            np.zeros(emask + 1, np.int64), np.zeros(0, np.bool_), np.zeros(0, np.uint8),
-            np.zeros(4, np.int64), np.zeros(0, np.uint8))
+            np.zeros(emask + 1, np.int64), np.zeros(0, np.bool_))
     for g in range(G):
         _group_stats(g, gstart[g], gstart[g + 1] - gstart[g], sizes[g], rank, dd, nw, work, stats, mb, nbits)
     q_len, r_len = stats[:, QB].sum(), stats[:, RB].sum()
@@ -291,7 +303,6 @@ def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group):
     out = np.zeros(tab.size + (q_len + r_len + 7) // 8, np.uint8)
     out[: tab.size] = tab
     rbuf = np.zeros(r_len // 8 + 2, np.uint8)
-    work = work[:6] + (out, np.zeros(4, np.int64), rbuf)
-    _emit(G, gstart, sizes, rank, stats, work, tab.size, mb)
-    merge_r(out, tab.size, q_len, work[7], rbuf)
+    w = _emit(G, gstart, sizes, rank, stats, work, out, tab.size, rbuf, mb)
+    close_streams(w, out, tab.size, q_len, rbuf)
     return out
