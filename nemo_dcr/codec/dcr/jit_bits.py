@@ -201,7 +201,7 @@ def padded(data):
 
 
 @njit
-def _peek(data, byte):
+def peek(data, byte):
     """64 bits, most significant first, from ``data[byte:]`` (padded: ``byte + 8 <= data.size``)."""
     v = np.uint64(0)
     for t in range(8):
@@ -215,7 +215,7 @@ def get_unary(data, qpos, q_len):
     next -1 when no one bit is left before ``q_len``.  One 64-bit window and a leading-zero count
     per code; a run of more than 56 zeros walks on byte by byte."""
     i = qpos >> 3
-    window = _peek(data, i) << np.uint64(qpos & 7)
+    window = peek(data, i) << np.uint64(qpos & 7)
     if window != 0:
         end = qpos + np.int64(ctlz(window))
     else:
@@ -239,10 +239,10 @@ def get_bits(data, bp, k):
     if k == 0:
         return 0
     if k <= 56:
-        return np.int64((_peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(64 - k))
-    hi = np.int64((_peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(96 - k))  # the first k - 32 bits
+        return np.int64((peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(64 - k))
+    hi = np.int64((peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(96 - k))  # the first k - 32 bits
     bp += k - 32
-    return (hi << 32) | np.int64((_peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(32))
+    return (hi << 32) | np.int64((peek(data, bp >> 3) << np.uint64(bp & 7)) >> np.uint64(32))
 
 
 # ------------------------------------------------------------------------------------------ keys

@@ -18,7 +18,7 @@ import numpy as np
 from ...kernels.jit import AHEAD, njit, prefetch
 from . import jit_index as K
 from .jit_index import select
-from .jit_bits import LIMIT, MAX_K, apply_step, get_bits, get_unary, get_varint, padded, set_rice_k
+from .jit_bits import LIMIT, MAX_K, peek, apply_step, get_bits, get_unary, get_varint, padded, set_rice_k
 
 ERR = ("",
        "truncated field (a varint or a byte), or a varint longer than 10 bytes",
@@ -177,6 +177,43 @@ def _code(data, rd, q_len, k):
 
 
 @njit
+def _bitmap_set(data, q0, q_len, cnt, uni, side, out, o):
+    """Members of a coded set whose Rice ``k`` is 0, read as membership bits: the Q stream from bit
+    ``q0`` holds one bit per element up to the last coded one (1: coded).  Writes the ``cnt``
+    members, sorted, into ``out[o:o + cnt]`` and returns the next Q bit; -1 when the bits leave the
+    set or the stream first (the caller then reads the codes one by one for the exact refusal)."""
+    coded = cnt if side else uni - cnt
+    x, t, ones = 0, 0, 0
+    while ones < coded:
+        bp = q0 + x
+        span = min(56, uni - x, q_len - bp)
+        if span <= 0:
+            return -1
+        window = peek(data, bp >> 3) << np.uint64(bp & 7)
+        for b in range(span):
+            bit = np.int64(window >> np.uint64(63 - b)) & 1
+            if side:
+                out[o + t] = x + b
+                t += bit
+            else:
+                if t >= cnt and bit == 0:  # more members than the set holds
+                    return -1
+                out[o + t] = x + b
+                t += 1 - bit
+            ones += bit
+            if ones == coded:
+                x += b + 1
+                break
+        else:
+            x += span
+    if not side:
+        for y in range(x, uni):
+            out[o + t] = y
+            t += 1
+    return q0 + x
+
+
+@njit
 def _read_set(data, rd, q_len, cnt, uni, out, o, scratch):
     """Members of a coded subset of ``range(uni)`` of size ``cnt``, sorted, into ``out[o:o + cnt]``."""
     if cnt == uni:
@@ -187,6 +224,11 @@ def _read_set(data, rd, q_len, cnt, uni, out, o, scratch):
     side = 2 * cnt <= uni
     coded = cnt if side else uni - cnt
     k, prev = set_rice_k(coded, uni), -1
+    if k == 0:
+        nxt = _bitmap_set(data, rd[0], q_len, cnt, uni, side, out, o)
+        if nxt >= 0:
+            rd[0] = nxt
+            return 0
     dst, at = (out, o) if side else (scratch, 0)
     for j in range(coded):
         v, e = _code(data, rd, q_len, k)
