@@ -14,7 +14,7 @@ import pytest
 
 from nemo_dcr.codec.dcr import DcrIndex, DcrIndexes, StaleIndexError, decode_dcr, encode_dcr
 from nemo_dcr.codec.dcr.jit_bits import best_k, fold_steps
-from nemo_dcr.codec.dcr.jit_decode import ERR
+from nemo_dcr.codec.dcr.jit_decode import ERR, _bitmap_set
 from nemo_dcr.codec.errors import MalformedRecordError
 from nemo_dcr.types import DTYPES
 from tests.oracles import decode_dcr_np, decode_dcr_per_group, encode_dcr_np, encode_dcr_per_group
@@ -277,3 +277,22 @@ def test_real_steps_bytes_and_kept_index(real_checkpoints):
                 changed += pos.size
             assert all(np.array_equal(x, y) for x, y in zip(ix.tables(), DcrIndex.build(cur, spec).tables()))
     assert changed > 100_000
+
+
+@pytest.mark.parametrize("members", [[0, 1, 2, 3, 4, 5], [0, 2, 4, 5, 6, 7], [1, 3, 5, 6, 7, 8], [0, 1, 2]])
+def test_bitmap_set_reads_members_and_writes_only_its_slots(members):
+    """A ``k = 0`` coded set read as membership bits (the decoder's fast path): the members come out
+    sorted, the next Q bit is the one after the last coded element, and nothing is written past the
+    set's ``cnt`` slots, whichever side is coded (the members, or the elements not in the set)."""
+    uni, cnt = 9, len(members)
+    side = 2 * cnt <= uni
+    coded = [x for x in range(uni) if (x in members) == side]
+    bits = [int((x in members) == side) for x in range(coded[-1] + 1)]
+    data = np.zeros(16, np.uint8)  # padded: the reader loads 8 bytes at any byte of the stream
+    for i, b in enumerate(bits):
+        data[i >> 3] |= b << (7 - (i & 7))
+    out = np.full(cnt + 4, -7, np.int64)
+    nxt = _bitmap_set(data, 0, len(bits), cnt, uni, side, out, 1)
+    assert nxt == len(bits)
+    assert out[1 : 1 + cnt].tolist() == members
+    assert out[0] == -7 and out[1 + cnt :].tolist() == [-7] * 3

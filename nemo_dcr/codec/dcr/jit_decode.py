@@ -195,11 +195,11 @@ def _bitmap_set(data, q0, q_len, cnt, uni, side, out, o):
             if side:
                 out[o + t] = x + b
                 t += bit
-            else:
-                if t >= cnt and bit == 0:  # more members than the set holds
+            elif bit == 0:  # a member: only the set's own cnt slots are written
+                if t >= cnt:  # more members than the set holds
                     return -1
                 out[o + t] = x + b
-                t += 1 - bit
+                t += 1
             ones += bit
             if ones == coded:
                 x += b + 1
