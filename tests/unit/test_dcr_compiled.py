@@ -183,6 +183,39 @@ def test_index_ranks_select_and_updates_match_references(dtype):
             bits = new
 
 
+@pytest.mark.parametrize("hint", ["found", "none", "stale", "garbage"])
+def test_index_update_takes_found_entries_as_checked_hints(hint):
+    """The entries :meth:`DcrIndex.ranks` found speed the next update; a stale or garbage one
+    costs a search, never a wrong index, and a wrong old class is still refused."""
+    spec, rng = DTYPES["bf16"], np.random.default_rng(23)
+    n = 5 * 4096 + 77
+    bits = _realistic(rng, spec, n)
+    for density in (0.0003, 0.01, 0.3):  # shifted moves, then re-sorted blocks
+        ix = DcrIndex.build(bits, spec)
+        pos = np.sort(rng.choice(n, max(2, int(n * density)), replace=False)).astype(np.int64)
+        ix.ranks(pos, bits[pos])
+        local = pos & 4095
+        assert np.array_equal(ix.order[(pos >> 12 << 12) + ix.found], local)  # where each one sits
+        if hint == "none":
+            ix.found = ix.found[:0]
+        elif hint == "stale":  # the entries of another change set of the same size
+            other = np.sort(rng.choice(n, pos.size, replace=False)).astype(np.int64)
+            ix.ranks(other, bits[other])
+        elif hint == "garbage":
+            ix.found = rng.integers(0, 1 << 16, pos.size).astype(np.uint16)
+        new = bits.copy()
+        new[pos] = rng.integers(0, 1 << spec.bits, pos.size).astype(spec.uint)
+        ix.update(pos, bits[pos], new[pos])
+        assert ix.found.size == 0  # dropped by the update
+        fresh = DcrIndex.build(new, spec)
+        assert all(np.array_equal(a, b) for a, b in zip(ix.tables(), fresh.tables()))
+        wrong = DcrIndex.build(bits, spec)
+        wrong.ranks(pos, bits[pos])
+        with pytest.raises(StaleIndexError):  # the hints name the entries, the old classes are wrong
+            wrong.update(pos, new[pos], bits[pos])
+        bits = new
+
+
 def test_index_memory_per_element():
     spec = DTYPES["bf16"]
     ix = DcrIndex.build(np.zeros(1 << 22, np.uint16), spec)

@@ -24,7 +24,7 @@ tables for ``E`` exponent classes (bf16/fp32: 2.28 bytes, fp16 2.03, fp8 2.02).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -33,6 +33,9 @@ from ...kernels.workers import Behind, map_records
 from ...types import DtypeSpec, SparseDelta
 from ...verify.checksum import tensor_checksum, updated_checksum
 from . import jit_index as K
+
+
+_NONE_FOUND = np.zeros(0, np.uint16)
 
 
 class StaleIndexError(ValueError):
@@ -48,6 +51,9 @@ class DcrIndex:
         n: elements.
         order, lfirst, sbefore, sup: the tables.
         checksum: checksum of the bits described (``None`` once an update failed).
+        found: the ``order`` entries the last :meth:`ranks` found (uint16, one per change), which
+            the next :meth:`update` starts from when it has as many changes (a hint: checked
+            entry by entry, so a stale one costs searches, never a wrong index); dropped by it.
     """
 
     spec: DtypeSpec
@@ -57,6 +63,7 @@ class DcrIndex:
     sbefore: np.ndarray
     sup: np.ndarray
     checksum: int | None
+    found: np.ndarray = field(default_factory=lambda: _NONE_FOUND, repr=False)
 
     @classmethod
     def build(cls, bits: np.ndarray, spec: DtypeSpec, checksum: int | None = None) -> "DcrIndex":
@@ -87,9 +94,10 @@ class DcrIndex:
     def ranks(self, positions: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
         """(class, index)-order position of each of the increasing ``positions`` (base bits there:
         ``old_bits``)."""
-        out = np.empty(positions.size, np.int64)
+        out, found = np.empty(positions.size, np.int64), np.empty(positions.size, np.uint16)
         bad = K.ranks(old_bits, positions, self.n, self.spec.exp_shift, self.spec.n_exponents - 1, *self.tables(),
-                      out)
+                      out, found)
+        self.found = found if bad < 0 else _NONE_FOUND
         if bad >= 0:
             raise StaleIndexError(f"position {int(positions[bad])} (entry {bad}) is out of order or range, or "
                                   f"the index does not hold its class")
@@ -105,10 +113,10 @@ class DcrIndex:
         if self.checksum is None:
             raise StaleIndexError("index was invalidated by a failed update")
         pos = np.ascontiguousarray(positions, np.int64)
-        ck = self.checksum
-        self.checksum = None  # until the update completed
+        ck, found = self.checksum, self.found
+        self.checksum, self.found = None, _NONE_FOUND  # until the update completed
         bad, moves = K.update(self.n, pos, np.ascontiguousarray(old_bits), np.ascontiguousarray(new_bits),
-                              self.spec.exp_shift, self.spec.n_exponents - 1, *self.tables())
+                              self.spec.exp_shift, self.spec.n_exponents - 1, *self.tables(), found)
         if bad >= 0:
             raise StaleIndexError(f"update entry {bad} (position {int(pos[bad])}) is out of order or range, "
                                   f"or its old class is not where the index holds it")

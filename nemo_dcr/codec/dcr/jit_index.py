@@ -136,10 +136,11 @@ PF = 32  # changes between the prefetch of a change's table entries and their lo
 
 
 @njit
-def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out):
+def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out, slots):
     """Class-order position of each changed element (``old``: its base bits, ``n``: elements);
     returns the first entry that is out of order or range, else the first the index does not
-    hold (stale index), else -1.
+    hold (stale index), else -1.  ``slots`` (uint16): each element's entry in its block's
+    ``order``, found on the way (an :func:`update` by the same changes starts from them).
 
     Chunks of :data:`CHUNK` changes go through separate passes (classes and run bounds, the entry
     where a uniform run would hold each element, searches from there): each pass's loads are
@@ -179,6 +180,7 @@ def ranks(old, positions, n, shift, emask, order, lfirst, sbefore, sup, out):
             if i == hi[t] or order[i] != loc:
                 return j0 + t
             out[j0 + t] += i
+            slots[j0 + t] = i & (BLOCK - 1)
     return -1
 
 
@@ -238,7 +240,7 @@ def select(cls, kk, order, lfirst, sbefore, sup):
 
 
 @njit
-def _block_events(b, locs, c1s, c2s, order, lfirst, keys, cnt):
+def _block_events(b, locs, c1s, c2s, slots, order, lfirst, keys, cnt):
     """Sort keys of a block's move events into ``keys[:2k]``, generated in sorted order: an
     arrival (inserted before an old-order index, ordered by class and local index) sorts before a
     departure (that entry skipped).
@@ -246,8 +248,9 @@ def _block_events(b, locs, c1s, c2s, order, lfirst, keys, cnt):
     An event's place in the block's order is fixed by its (class, local index): a departure's old
     class, an arrival's new one.  The moves come in local-index order, so a stable counting sort of
     the events by class (``cnt``: one counter per class and one more) yields them in key order, no
-    comparison sort; each class's events search its run from where the previous one was found.
-    Returns False when a departing element is not in its old class's run."""
+    comparison sort; each class's events search its run from where the previous one was found,
+    a departure none when its ``slots`` entry holds it there.  Returns False when a departing
+    element is not in its old class's run."""
     base, k, E = b << BSHIFT, locs.size, cnt.size - 1
     cnt[:] = 0
     for i in range(k):
@@ -256,8 +259,10 @@ def _block_events(b, locs, c1s, c2s, order, lfirst, keys, cnt):
     for c in range(E):
         cnt[c + 1] += cnt[c]
     ev = keys[2 * k : 4 * k]  # class << EV | local index << 1 | departure, in key order
+    at = keys[4 * k : 6 * k]  # a departure's hinted place, in key order
     for i in range(k):
         ev[cnt[c1s[i]]] = (c1s[i] << EV) | (locs[i] << 1) | 1
+        at[cnt[c1s[i]]] = base + slots[i]
         cnt[c1s[i]] += 1
         ev[cnt[c2s[i]]] = (c2s[i] << EV) | (locs[i] << 1)
         cnt[c2s[i]] += 1
@@ -267,13 +272,16 @@ def _block_events(b, locs, c1s, c2s, order, lfirst, keys, cnt):
         lo, hi = base + lfirst[b, c], base + lfirst[b, c + 1]
         if c != prev:
             prev, start = c, lo
-        i = find(order, start, hi, loc)
         if ev[t] & 1:
-            if i == hi or order[i] != loc:
-                return False
+            i = at[t]
+            if i < start or i >= hi or order[i] != loc:
+                i = find(order, start, hi, loc)
+                if i == hi or order[i] != loc:
+                    return False
             keys[t] = ((i - base) << 22) | (1 << 21)
             start = i + 1
         else:
+            i = find(order, start, hi, loc)
             keys[t] = ((i - base) << 22) | (c << BSHIFT) | loc
             start = i
     return True
@@ -300,11 +308,14 @@ def _rewrite(b, keys, order, tmp):
 
 
 @njit
-def _shift_move(b, loc, c1, c2, order, lfirst):
-    """One move by shifting the entries between its old and new place (False when absent)."""
+def _shift_move(b, loc, c1, c2, order, lfirst, slot):
+    """One move by shifting the entries between its old and new place (False when absent);
+    ``slot``: where the entry was found before (a hint, checked)."""
     base = b << BSHIFT
     lo, hi = base + lfirst[b, c1], base + lfirst[b, c1 + 1]
-    a = find(order, lo, hi, loc)
+    a = base + slot
+    if a < lo or a >= hi or order[a] != loc:
+        a = find(order, lo, hi, loc)
     if a == hi or order[a] != loc:
         return False
     ins = find(order, base + lfirst[b, c2], base + lfirst[b, c2 + 1], loc)
@@ -318,18 +329,19 @@ def _shift_move(b, loc, c1, c2, order, lfirst):
 
 
 @njit
-def _move_block(b, locs, c1s, c2s, order, lfirst, keys, tmp, cnt):
-    """Apply the class moves of one block; False when one of them is not held as given.
+def _move_block(b, locs, c1s, c2s, slots, order, lfirst, keys, tmp, cnt):
+    """Apply the class moves of one block; False when one of them is not held as given
+    (``slots``: each departing entry's place in the block's order as found before, checked).
 
     One or two moves shift the entries between old and new place; more rewrite the block once."""
     k = locs.size
     if k <= SHIFTS:
         for i in range(k):
-            if not _shift_move(b, locs[i], c1s[i], c2s[i], order, lfirst):
+            if not _shift_move(b, locs[i], c1s[i], c2s[i], order, lfirst, slots[i]):
                 return False
             _lfirst_move(b, c1s[i], c2s[i], lfirst)
         return True
-    if not _block_events(b, locs, c1s, c2s, order, lfirst, keys, cnt):
+    if not _block_events(b, locs, c1s, c2s, slots, order, lfirst, keys, cnt):
         return False
     _rewrite(b, keys[: 2 * k], order, tmp)
     for i in range(k):
@@ -370,28 +382,35 @@ def _sbefore_moves(b, c1s, c2s, sbefore, net, touched):
 
 
 @njit
-def _block_moves(j, e, positions, old, new, shift, emask, locs, c1s, c2s):
+def _block_moves(j, e, positions, old, new, shift, emask, slots, locs, c1s, c2s, at):
+    """The class moves among changes ``j:e`` of one block, into ``locs``, ``c1s``, ``c2s`` and
+    ``at`` (hinted places: ``slots``, or -1 without); their count.  Branch-free: every change is
+    written and the count steps over the ones that keep their class."""
     k = 0
+    hinted = slots.size == positions.size
     for i in range(j, e):
         c1, c2 = _cls(old[i], shift, emask), _cls(new[i], shift, emask)
-        if c1 != c2:
-            locs[k], c1s[k], c2s[k] = positions[i] & (BLOCK - 1), c1, c2
-            k += 1
+        locs[k], c1s[k], c2s[k] = positions[i] & (BLOCK - 1), c1, c2
+        at[k] = slots[i] if hinted else -1
+        k += c1 != c2
     return k
 
 
 @njit
-def update(n, positions, old, new, shift, emask, order, lfirst, sbefore, sup):
+def update(n, positions, old, new, shift, emask, order, lfirst, sbefore, sup, slots):
     """Apply the class moves of a committed delta (positions increasing).
 
     Each block with moves is rewritten once between its first and last event (segment copies),
-    so a block costs its moves' searches plus at most one copy of its order.  Returns
+    so a block costs its moves' searches plus at most one copy of its order.  ``slots``: the
+    entries :func:`ranks` found for these positions (uint16, one per change; a departing entry
+    held there is not searched again), or an empty array.  A slot is a hint: each is checked,
+    and a wrong one costs a search, never a wrong index.  Returns
     ``(status, moves)``: status -1 when done, else an entry that was out of order or range or
     whose old class the index does not hold there (the index is then inconsistent).
     """
     dirty = np.zeros(sup.shape[0], np.bool_)
     locs, c1s, c2s = np.empty(BLOCK, np.int64), np.empty(BLOCK, np.int64), np.empty(BLOCK, np.int64)
-    keys, tmp = np.empty(4 * BLOCK, np.int64), np.empty(2 * BLOCK, order.dtype)
+    at, keys, tmp = np.empty(BLOCK, np.int64), np.empty(6 * BLOCK, np.int64), np.empty(2 * BLOCK, order.dtype)
     cnt, net = np.zeros(sup.shape[0] + 1, np.int64), np.zeros(sup.shape[0], np.int64)
     j, moves, prev = 0, 0, -1
     while j < positions.size:
@@ -402,8 +421,8 @@ def update(n, positions, old, new, shift, emask, order, lfirst, sbefore, sup):
                 return e, moves
             prev = positions[e]
             e += 1
-        k = _block_moves(j, e, positions, old, new, shift, emask, locs, c1s, c2s)
-        if k and not _move_block(b, locs[:k], c1s[:k], c2s[:k], order, lfirst, keys, tmp, cnt):
+        k = _block_moves(j, e, positions, old, new, shift, emask, slots, locs, c1s, c2s, at)
+        if k and not _move_block(b, locs[:k], c1s[:k], c2s[:k], at[:k], order, lfirst, keys, tmp, cnt):
             return j, moves
         _sbefore_moves(b, c1s[:k], c2s[:k], sbefore, net, keys)
         for i in range(k):
