@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..kernels import read_bits, write_bits
+from ..kernels import count_equal, read_bits, write_bits
 from ..kernels.traffic import on_host, to_host
 from ..kernels.workers import map_records
 from ..types import DeltaInputError, SparseDelta, UnsupportedDtypeError, bits_view, spec_of
@@ -138,6 +138,11 @@ def encode_deltas(
         base_ck = (base_checksums or {}).get(d.name)
         base_ck = tensor_checksum(bits) if base_ck is None else base_ck
         old = read_bits(bits, d.positions)
+        if count_equal(old, d.new_bits):  # rule 12: a receiver refuses a record with a no-op change
+            i = int(np.flatnonzero(old == d.new_bits)[0])
+            raise DeltaInputError(f"SparseDelta {d.name!r}: the change at position {int(d.positions[i])} (entry {i}) "
+                                  f"sets the element to its base bits 0x{int(old[i]):x}; every change must differ "
+                                  "from the base")
         index = indexes.get(d.name, bits, spec, base_ck) if indexes is not None and encoding == "dcr" and d.nnz \
             else None
         enc, body, params = encode_record(encoding, bits, d.positions, d.new_bits, spec, index, old)
@@ -226,11 +231,6 @@ def inspect(payload, key: bytes | None = None, receiver: Mapping | None = None) 
     return _split(payload, key, receiver)[0]
 
 
-def _count_equal(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 20) -> int:
-    """Elements where ``a == b``, in chunks (no array-sized temporary)."""
-    return sum(int(np.count_nonzero(a[s : s + chunk] == b[s : s + chunk])) for s in range(0, a.size, chunk))
-
-
 def _check_against(r: RecordInfo, base: Mapping[str, torch.Tensor]) -> tuple:
     """The receiver's tensor of record ``r`` and its dtype facts (rules 9-10)."""
     if r.name not in base:
@@ -284,7 +284,7 @@ def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
         index = None if r.encoding != "dcr" or indexes is None else \
             kept if isinstance(bits, DeviceBase) else indexes.get(r.name, bits, spec, have)
         pos, new, old = decode_record(r, body, bits, spec, index)
-        noops = _count_equal(old, new)
+        noops = count_equal(old, new)
         if pos.size != r.changed or noops:
             raise MalformedRecordError(f"decoded {pos.size} changes ({noops} no-ops), header says {r.changed}", r.name)
         if updated_checksum(have, pos, old, new) != int(r.target_checksum, 16):

@@ -3,6 +3,6 @@ write of bits; compiled numba loops on the host (:mod:`.cpu`, declared through :
 torch ops on other devices; every host <-> device copy of the data path counted (:mod:`.traffic`)."""
 
 from .inplace import read_bits, unequal_at, write_bits
-from .scan import changed_positions, scan_changes
+from .scan import changed_positions, count_equal, scan_changes
 
-__all__ = ["changed_positions", "read_bits", "scan_changes", "unequal_at", "write_bits"]
+__all__ = ["changed_positions", "count_equal", "read_bits", "scan_changes", "unequal_at", "write_bits"]

@@ -51,6 +51,11 @@ def changes_at(bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarray):
     return pos, new, old
 
 
+def count_equal(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 20) -> int:
+    """Entries where same-size 1-D arrays ``a == b``, in chunks (no array-sized temporary)."""
+    return sum(int(np.count_nonzero(a[s : s + chunk] == b[s : s + chunk])) for s in range(0, a.size, chunk))
+
+
 def changed_positions(cur: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Flat positions (int64, increasing) where two same-shape 1-D integer views differ."""
     if cur.device.type == "cpu":

@@ -67,6 +67,30 @@ def test_encode_refuses_base_bits_that_do_not_fit_the_delta(base, match):
         codec.encode_deltas([SparseDelta("w", "bf16", (10,), POS, NEW, OLD)], base)
 
 
+@pytest.mark.parametrize("encoding", ["dcr", "reference", "raw"])
+def test_a_change_to_the_base_bits_is_refused_by_every_encoding(encoding):
+    """A change that keeps its element's base bits: the dcr coder once looped on it (a zero step
+    has no code), reference and raw made a payload every receiver refuses (wire rule 12)."""
+    base = np.zeros(10, np.uint16)
+    base[4] = 0xBF80
+    d = SparseDelta("w", "bf16", (10,), POS, NEW)
+    with pytest.raises(DeltaInputError, match=r"'w': the change at position 4 \(entry 1\) sets the element to its "
+                                              r"base bits 0xbf80; every change must differ from the base"):
+        codec.encode_deltas([d], {"w": base}, encoding=encoding)
+    assert base[4] == 0xBF80 and not base[[1, 7]].any()
+
+
+def test_the_dcr_coder_refuses_a_change_that_keeps_its_old_bits():
+    from nemo_dcr.codec.dcr import encode_dcr
+    from nemo_dcr.types import spec_of
+
+    base = np.zeros(10, np.uint16)
+    with pytest.raises(ValueError, match=r"the change at position 7 \(entry 2\) keeps 0x0"):
+        encode_dcr(base, POS, np.array([1, 2, 0], np.uint16), spec_of("bf16"))
+    with pytest.raises(ValueError, match=r"the change at position 1 \(entry 0\) keeps 0x3f80"):
+        encode_dcr(base, POS, NEW, spec_of("bf16"), None, NEW)
+
+
 def test_a_valid_delta_encodes_and_validates():
     d = SparseDelta("w", "bf16", (2, 5), POS, NEW, OLD)
     assert d.validate() is d

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...kernels import count_equal
 from ...types import DtypeSpec
 from ..errors import MalformedRecordError
 from .class_index import DcrIndex, StaleIndexError
@@ -39,8 +40,13 @@ def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarra
     if positions.size and (positions[0] < 0 or positions[-1] >= base_bits.size):
         raise ValueError(f"dcr positions must increase inside [0, {base_bits.size})")
     old = np.ascontiguousarray(base_bits[positions] if old_bits is None else old_bits)
+    new_bits = np.ascontiguousarray(new_bits)
+    if count_equal(old, new_bits):  # a zero step has no code (wire format 4.4): refused, never looped on
+        i = int(np.flatnonzero(old == new_bits)[0])
+        raise ValueError(f"dcr changes must differ from their old bits; the change at position {int(positions[i])} "
+                         f"(entry {i}) keeps 0x{int(old[i]):x}")
     s, hist = class_ranks(base_bits, positions, old, spec, index)
-    return encode_kernel(old, np.ascontiguousarray(new_bits), s, hist, spec.bits, spec.exp_shift, spec.exp_bits,
+    return encode_kernel(old, new_bits, s, hist, spec.bits, spec.exp_shift, spec.exp_bits,
                          MIN_GROUP_CHANGES).tobytes()
 
 
