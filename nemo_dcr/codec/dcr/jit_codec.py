@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...kernels import count_equal
 from ...types import DtypeSpec
 from ..errors import MalformedRecordError
 from .class_index import DcrIndex, StaleIndexError
@@ -41,13 +40,13 @@ def encode_dcr(base_bits: np.ndarray, positions: np.ndarray, new_bits: np.ndarra
         raise ValueError(f"dcr positions must increase inside [0, {base_bits.size})")
     old = np.ascontiguousarray(base_bits[positions] if old_bits is None else old_bits)
     new_bits = np.ascontiguousarray(new_bits)
-    if count_equal(old, new_bits):  # a zero step has no code (wire format 4.4): refused, never looped on
+    s, hist = class_ranks(base_bits, positions, old, spec, index)
+    body = encode_kernel(old, new_bits, s, hist, spec.bits, spec.exp_shift, spec.exp_bits, MIN_GROUP_CHANGES)
+    if not body.size:  # a zero step has no code (wire format 4.4)
         i = int(np.flatnonzero(old == new_bits)[0])
         raise ValueError(f"dcr changes must differ from their old bits; the change at position {int(positions[i])} "
                          f"(entry {i}) keeps 0x{int(old[i]):x}")
-    s, hist = class_ranks(base_bits, positions, old, spec, index)
-    return encode_kernel(old, new_bits, s, hist, spec.bits, spec.exp_shift, spec.exp_bits,
-                         MIN_GROUP_CHANGES).tobytes()
+    return body.tobytes()
 
 
 def _check_index(index: DcrIndex, base_bits: np.ndarray, spec: DtypeSpec) -> None:

@@ -235,8 +235,9 @@ def _table(lo, widths, stats, q_len, r_len):
 
 @njit
 def _sorted_changes(old_bits, new_bits, s, nbits, mb, emask):
-    """Changes in (class, index) order: class counts, global class-order position, step, new bits."""
-    m = old_bits.size
+    """Changes in (class, index) order: class counts, global class-order position, step, new bits,
+    and the first change whose step is zero (new bits equal to the old; -1: none)."""
+    m, zero = old_bits.size, -1
     ones, sign = (1 << nbits) - 1, 1 << (nbits - 1)
     ccount = np.zeros(emask + 1, np.int64)
     for i in range(m):
@@ -250,8 +251,10 @@ def _sorted_changes(old_bits, new_bits, s, nbits, mb, emask):
         nxt[c] += 1
         nw[j] = np.int64(new_bits[i]) & ones
         dd[j] = signed_step(old, nw[j], ones, sign)
+        if dd[j] == 0 and zero < 0:
+            zero = i
         srt[j] = s[i]
-    return ccount, srt, dd, nw
+    return ccount, srt, dd, nw, zero
 
 
 @njit
@@ -276,9 +279,11 @@ def _emit(G, gstart, sizes, rank, stats, work, out, qoff, rbuf, mb):
 @njit
 def encode_kernel(old_bits, new_bits, s, hist, nbits, mb, exp_bits, min_group):
     """Body of a ``dcr`` record as uint8 from the changes' old and new bits and class-order
-    positions ``s``."""
+    positions ``s``; empty (no body is) when a change keeps its old bits: a zero step has no code."""
     m, emask = old_bits.size, (1 << exp_bits) - 1
-    ccount, rank, dd, nw = _sorted_changes(old_bits, new_bits, s, nbits, mb, emask)
+    ccount, rank, dd, nw, zero = _sorted_changes(old_bits, new_bits, s, nbits, mb, emask)
+    if zero >= 0:
+        return np.zeros(0, np.uint8)
     lo, widths = _groups(ccount, min_group)
     G = widths.size
     bounds = np.zeros(G + 1, np.int64)
