@@ -9,8 +9,10 @@ is the phase's time outside its probed calls (Python bookkeeping, headers, small
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 PROBES = {
     "scan": "nemo_dcr.capture.scan.changes_np",
@@ -31,12 +33,21 @@ PROBES = {
 """Probed calls: label -> the function's dotted path (absent ones are skipped)."""
 
 
+def _module(name: str):
+    """The module ``name``; the script run as ``__main__`` when its file is ``name`` (its own globals,
+    which its calls look up: importing its file again would make a second module nobody calls)."""
+    main = sys.modules.get("__main__")
+    if "." not in name and Path(getattr(main, "__file__", None) or "").stem == name:
+        return main
+    return importlib.import_module(name)
+
+
 def _resolve(dotted: str):
     """(owner object, attribute name) of a dotted module path (a class attribute allowed)."""
     parts = dotted.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         try:
-            owner = importlib.import_module(".".join(parts[:cut]))
+            owner = _module(".".join(parts[:cut]))
         except ImportError:
             continue
         for name in parts[cut:-1]:
