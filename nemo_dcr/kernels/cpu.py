@@ -38,15 +38,16 @@ def scan_words(cur, old, cur_w, old_w, per_word):
     """Positions (int64, increasing), new and old bits where ``cur != old``.
 
     ``cur_w``/``old_w`` are uint64 views of the first ``cur_w.size * per_word`` elements: a
-    cache line of words is compared at once; in a line that differs, each differing word's
-    changed lanes are found with bit arithmetic (the top bit of each non-zero lane of
-    ``cur ^ old``), one trailing-zero count per change, no per-element compare.
+    cache line of words is compared at once; in a line that differs, the changed lanes of its
+    words are found with bit arithmetic (the top bit of each non-zero lane of ``cur ^ old``,
+    gathered by one multiply into one bit per element of the line), then one trailing-zero count
+    per change: one loop per line, not per word, so a line costs one mispredicted loop exit.
     """
     n, nw = cur.size, cur_w.size
     pos = np.empty(1024 + (n >> 8), np.int64)
     new, was = np.empty(pos.size, cur.dtype), np.empty(pos.size, cur.dtype)
     low, high = _lane_masks(per_word)
-    lane_shift = np.uint64(_log2(64 // per_word))
+    gather, top, lane_bits, down = _lane_gather(per_word)
     k = 0
     for w0 in range(0, nw - nw % _WORDS, _WORDS):
         acc = np.uint64(0)
@@ -57,15 +58,17 @@ def scan_words(cur, old, cur_w, old_w, per_word):
         if k + _WORDS * per_word > pos.size:
             grow = k + _WORDS * per_word
             pos, new, was = _grow(pos, grow), _grow(new, grow), _grow(was, grow)
+        line = np.uint64(0)  # bit t * per_word + lane: that element of word t differs
         for t in range(_WORDS):
             x = cur_w[w0 + t] ^ old_w[w0 + t]
-            lanes = (((x & low) + low) | x) & high
-            at = (w0 + t) * per_word
-            while lanes:
-                i = at + np.int64(cttz(lanes) >> lane_shift)
-                pos[k], new[k], was[k] = i, cur[i], old[i]
-                k += 1
-                lanes &= lanes - np.uint64(1)
+            lanes = ((((x & low) + low) | x) & high) >> down
+            line |= (((lanes * gather) >> top) & lane_bits) << np.uint64(t * per_word)
+        at = w0 * per_word
+        while line:
+            i = at + np.int64(cttz(line))
+            pos[k], new[k], was[k] = i, cur[i], old[i]
+            k += 1
+            line &= line - np.uint64(1)
     for i in range((nw - nw % _WORDS) * per_word, n):
         if cur[i] != old[i]:
             if k == pos.size:
@@ -76,12 +79,18 @@ def scan_words(cur, old, cur_w, old_w, per_word):
 
 
 @njit
-def _log2(x):
-    n = 0
-    while x > 1:
-        x >>= 1
-        n += 1
-    return n
+def _lane_gather(per_word):
+    """``(gather, top, lane_bits, down)``: with ``lanes`` the top bits of a word's lanes shifted
+    down by ``down`` (to bit ``width * j`` for lane ``j``), ``((lanes * gather) >> top) &
+    lane_bits`` holds lane ``j``'s bit at bit ``j``.  ``gather`` has bits ``(width - 1) * (per_word
+    - 1 - j)``: lane ``j`` times the ``j``-th of them lands on ``top + j``, and no two products
+    share a bit (``width * j - (width - 1) * i`` differs for every pair), so nothing carries."""
+    width = 64 // per_word
+    gather = np.uint64(0)
+    for j in range(per_word):
+        gather |= np.uint64(1) << np.uint64((width - 1) * (per_word - 1 - j))
+    return (gather, np.uint64((width - 1) * (per_word - 1)), np.uint64((1 << per_word) - 1),
+            np.uint64(width - 1))
 
 
 @njit

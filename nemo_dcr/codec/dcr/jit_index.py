@@ -251,12 +251,15 @@ def _block_events(b, locs, c1s, c2s, slots, order, lfirst, keys, cnt):
     comparison sort; each class's events search its run from where the previous one was found,
     a departure none when its ``slots`` entry holds it there.  Returns False when a departing
     element is not in its old class's run."""
-    base, k, E = b << BSHIFT, locs.size, cnt.size - 1
-    cnt[:] = 0
+    base, k = b << BSHIFT, locs.size
+    lo_c, hi_c = c1s[0], c1s[0]  # the counters of the classes between, not of every class
+    for i in range(k):
+        lo_c, hi_c = min(lo_c, c1s[i], c2s[i]), max(hi_c, c1s[i], c2s[i])
+    cnt[lo_c : hi_c + 2] = 0
     for i in range(k):
         cnt[c1s[i] + 1] += 1
         cnt[c2s[i] + 1] += 1
-    for c in range(E):
+    for c in range(lo_c, hi_c + 1):
         cnt[c + 1] += cnt[c]
     ev = keys[2 * k : 4 * k]  # class << EV | local index << 1 | departure, in key order
     at = keys[4 * k : 6 * k]  # a departure's hinted place, in key order
@@ -292,19 +295,19 @@ def _rewrite(b, keys, order, tmp):
     """Rewrite block ``b``'s ``order`` between the first and last event (sorted ``keys``)."""
     base = b << BSHIFT
     start = keys[0] >> 22
-    cur, t = start, 0
-    for key in keys:
-        at = key >> 22
-        n = at - cur
-        if n > 0:
-            tmp[t : t + n] = order[base + cur : base + at]
-            t, cur = t + n, at
+    cur, t = base + start, 0
+    for key in keys:  # element loops, not slice copies: most segments are a few entries
+        at = base + (key >> 22)
+        while cur < at:
+            tmp[t] = order[cur]
+            t, cur = t + 1, cur + 1
         if key & (1 << 21):
             cur = at + 1
         else:
             tmp[t] = key & (BLOCK - 1)
             t += 1
-    order[base + start : base + start + t] = tmp[:t]
+    for i in range(t):
+        order[base + start + i] = tmp[i]
 
 
 @njit
@@ -320,10 +323,12 @@ def _shift_move(b, loc, c1, c2, order, lfirst, slot):
         return False
     ins = find(order, base + lfirst[b, c2], base + lfirst[b, c2 + 1], loc)
     if c1 < c2:
-        order[a : ins - 1] = order[a + 1 : ins]
+        for i in range(a, ins - 1):
+            order[i] = order[i + 1]
         order[ins - 1] = loc
     else:
-        order[ins + 1 : a + 1] = order[ins:a].copy()
+        for i in range(a, ins, -1):
+            order[i] = order[i - 1]
         order[ins] = loc
     return True
 
