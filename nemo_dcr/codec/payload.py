@@ -114,6 +114,8 @@ def encode_deltas(
     base_checksums: Mapping[str, int] | None = None,
     indexes: DcrIndexes | None = None,
     threads: int = 1,
+    *,
+    old_from_base: bool = False,
 ) -> bytes:
     """Encode change sets against the receiver's base bits.
 
@@ -129,6 +131,11 @@ def encode_deltas(
             (:meth:`DcrIndexes.update`); without them every ``dcr`` record ranks its whole base.
         threads: worker threads over the records (``dcr.threads``; :func:`~nemo_dcr.kernels.workers.map_records`):
             the same bytes as one thread.
+        old_from_base: every delta's ``old_bits`` were read from ``base`` at its positions (as
+            :meth:`nemo_dcr.refit.mirror.SenderMirror.changes` makes them, from the bits it then
+            encodes against), so they are not read again; otherwise the base's bits are read here
+            and any ``old_bits`` given are ignored.  The receiver checks every record's target
+            checksum on its own bits, so wrong old bits cost a refused payload, never wrong weights.
     """
     _check_key(key)
     check_identity(identity.model, identity.run)
@@ -137,7 +144,9 @@ def encode_deltas(
         spec, bits = spec_of(d.validate().dtype), _base_of(base, d)
         base_ck = (base_checksums or {}).get(d.name)
         base_ck = tensor_checksum(bits) if base_ck is None else base_ck
-        old = read_bits(bits, d.positions)
+        if old_from_base and d.old_bits is None:
+            raise DeltaInputError(f"SparseDelta {d.name!r}: old_from_base needs its old_bits")
+        old = np.ascontiguousarray(d.old_bits) if old_from_base else read_bits(bits, d.positions)
         if count_equal(old, d.new_bits):  # rule 12: a receiver refuses a record with a no-op change
             i = int(np.flatnonzero(old == d.new_bits)[0])
             raise DeltaInputError(f"SparseDelta {d.name!r}: the change at position {int(d.positions[i])} (entry {i}) "

@@ -80,6 +80,25 @@ def test_a_change_to_the_base_bits_is_refused_by_every_encoding(encoding):
     assert base[4] == 0xBF80 and not base[[1, 7]].any()
 
 
+@pytest.mark.parametrize("encoding", ["dcr", "reference", "raw"])
+def test_old_bits_read_from_the_base_encode_the_same_bytes_and_are_still_checked(encoding):
+    """``old_from_base``: the caller read the old bits from the base (the sender mirror does), so
+    the encoder takes them; the bytes are those of its own read, a delta without them is refused,
+    and a no-op among them is refused as before."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(0x3C00, 0x4000, 4096).astype(np.uint16)
+    pos = np.sort(rng.choice(4096, 300, replace=False)).astype(np.int64)
+    new = (base[pos] ^ rng.integers(1, 8, pos.size).astype(np.uint16)).astype(np.uint16)
+    d = SparseDelta("w", "bf16", (4096,), pos, new, base[pos])
+    own = codec.encode_deltas([SparseDelta("w", "bf16", (4096,), pos, new)], {"w": base}, encoding=encoding)
+    assert codec.encode_deltas([d], {"w": base}, encoding=encoding, old_from_base=True) == own
+    with pytest.raises(DeltaInputError, match=r"'w': old_from_base needs its old_bits"):
+        codec.encode_deltas([SparseDelta("w", "bf16", (4096,), pos, new)], {"w": base}, old_from_base=True)
+    same = SparseDelta("w", "bf16", (4096,), pos, np.where(np.arange(pos.size) == 5, base[pos], new), base[pos])
+    with pytest.raises(DeltaInputError, match=rf"the change at position {pos[5]} \(entry 5\) sets the element"):
+        codec.encode_deltas([same], {"w": base}, encoding=encoding, old_from_base=True)
+
+
 def test_the_dcr_coder_refuses_a_change_that_keeps_its_old_bits():
     from nemo_dcr.codec.dcr import encode_dcr
     from nemo_dcr.types import spec_of
