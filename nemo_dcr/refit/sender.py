@@ -424,13 +424,12 @@ class RefitSender:
     # -- the three entry points -------------------------------------------------------------
 
     def _telemetry(self, owned: Sequence[SparseDelta], encodings: Sequence[str]) -> dict[str, int]:
-        """Payload bytes of the engine changes ``owned`` (the mirror's, old bits read there) in other
-        encodings (measured, not sent; before the mirror moves)."""
+        """Payload bytes of the engine changes ``owned`` in other encodings (measured, not sent;
+        before the mirror moves)."""
         out = {}
         for enc in encodings:
             if enc != self.cfg.encoding:
-                out[enc] = len(encode_deltas(owned, self.mirror.bits, Identity(), enc, None, self.mirror.checksums,
-                                             old_from_base=True))
+                out[enc] = len(encode_deltas(owned, self.mirror.bits, Identity(), enc, None, self.mirror.checksums))
         return out
 
     def refit(self, pieces: Sequence[SparseDelta], trainer_checksums: Mapping[str, int], *, full: bool = False,
