@@ -157,8 +157,9 @@ class Fp8Mirror:
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
                max_changes: int, threads: int = 1) -> list[bytes]:
-        """Payload parts for engine changes ``deltas`` (from :meth:`stage`) against the engine bits."""
-        return self.engine.encode(deltas, identity, encoding, key, max_changes, threads)
+        """Payload parts for engine changes ``deltas`` (from :meth:`stage`) against the engine bits
+        (their old bits are read there: the quantizer made them, not the engine mirror)."""
+        return self.engine.encode(deltas, identity, encoding, key, max_changes, threads, from_changes=False)
 
     def commit(self, version: int, threads: int = 1) -> None:
         """The engine acknowledged ``version``: the three parts move together."""

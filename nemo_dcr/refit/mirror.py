@@ -83,14 +83,17 @@ class SenderMirror:
         return out
 
     def encode(self, deltas: Sequence[SparseDelta], identity: Identity, encoding: str, key: bytes | None,
-               max_changes: int, threads: int = 1) -> list[bytes]:
-        """Payload parts (at least one, maybe without records) for ``deltas`` (from :meth:`changes`:
-        their old bits are the mirror's, read there, so the encoder does not read them again);
-        stages them (``threads``: worker threads over each part's records, ``dcr.threads``)."""
+               max_changes: int, threads: int = 1, from_changes: bool = True) -> list[bytes]:
+        """Payload parts (at least one, maybe without records) for ``deltas``; stages them
+        (``threads``: worker threads over each part's records, ``dcr.threads``).
+
+        ``from_changes``: the deltas are this mirror's :meth:`changes`, whose old bits were read
+        from its bits there, so the encoder does not read them again; False for deltas made
+        elsewhere (the FP8 mirror's quantized changes), whose old bits the encoder reads."""
         self.stage(deltas, identity.target_version)
         groups = list(buckets(deltas, max_changes)) or [[]]
         return [encode_deltas(g, self.bits, identity, encoding, key, self.checksums, self.indexes, threads,
-                              old_from_base=True) for g in groups]
+                              old_from_base=from_changes) for g in groups]
 
     def stage(self, deltas: Sequence[SparseDelta], version: int) -> list[SparseDelta]:
         """Hold ``deltas`` (canonical, with mirror old bits) until :meth:`commit` of ``version``;

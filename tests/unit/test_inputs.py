@@ -99,6 +99,29 @@ def test_old_bits_read_from_the_base_encode_the_same_bytes_and_are_still_checked
         codec.encode_deltas([same], {"w": base}, encoding=encoding, old_from_base=True)
 
 
+def test_the_mirror_reads_old_bits_itself_for_deltas_not_from_its_changes():
+    """``SenderMirror.encode(from_changes=False)`` (the FP8 mirror's quantized changes): old bits
+    that are not the mirror's do not reach the coder; the payload is the one of the right ones."""
+    import torch
+
+    from nemo_dcr.codec import Identity
+    from nemo_dcr.refit.mirror import SenderMirror
+
+    rng = np.random.default_rng(4)
+    bits = rng.integers(0x3C00, 0x4000, 4096).astype(np.uint16)
+    pos = np.sort(rng.choice(4096, 200, replace=False)).astype(np.int64)
+    new = (bits[pos] ^ np.uint16(3)).astype(np.uint16)
+
+    def encoded(old, from_changes):
+        mirror = SenderMirror({"w": ("bf16", (4096,))})
+        mirror.reset({"w": torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)}, 0)
+        d = SparseDelta("w", "bf16", (4096,), pos, new, old)
+        return mirror.encode([d], Identity("m", "", 0, 1), "dcr", None, 1 << 20, from_changes=from_changes)
+
+    right = encoded(bits[pos], True)
+    assert encoded(np.zeros(pos.size, np.uint16), False) == right
+
+
 def test_the_dcr_coder_refuses_a_change_that_keeps_its_old_bits():
     from nemo_dcr.codec.dcr import encode_dcr
     from nemo_dcr.types import spec_of
