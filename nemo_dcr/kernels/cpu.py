@@ -23,14 +23,25 @@ def _grow(a, k):
 
 
 @njit
-def _lane_masks(per_word):
-    """``(low, high)``: the low ``width - 1`` bits and the top bit of each lane of a word
-    holding ``per_word`` elements."""
+def _lanes(per_word):
+    """Constants of a word holding ``per_word`` elements (lanes of ``width`` bits):
+    ``(low, high, gather, top, lane_bits, down)``.
+
+    ``low``/``high``: the low ``width - 1`` bits and the top bit of each lane, so
+    ``(((x & low) + low) | x) & high`` is the top bit of each non-zero lane of ``x``.  Shifted
+    down by ``down`` (to bit ``width * j`` for lane ``j``), ``((lanes * gather) >> top) &
+    lane_bits`` holds lane ``j``'s bit at bit ``j``.  ``gather`` has bits ``(width - 1) *
+    (per_word - 1 - j)``: lane ``j`` times the ``j``-th of them lands on ``top + j``, and no two
+    products share a bit (``width * j - (width - 1) * i`` differs for every pair), so nothing
+    carries."""
     width = 64 // per_word
-    high = np.uint64(0)
-    for lane in range(per_word):
-        high |= np.uint64(1) << np.uint64(width * lane + width - 1)
-    return (high >> np.uint64(width - 1)) * ((np.uint64(1) << np.uint64(width - 1)) - np.uint64(1)), high
+    down = np.uint64(width - 1)
+    high, gather = np.uint64(0), np.uint64(0)
+    for j in range(per_word):
+        high |= np.uint64(1) << np.uint64(width * j + width - 1)
+        gather |= np.uint64(1) << np.uint64((width - 1) * (per_word - 1 - j))
+    low = (high >> down) * ((np.uint64(1) << down) - np.uint64(1))
+    return low, high, gather, np.uint64((width - 1) * (per_word - 1)), np.uint64((1 << per_word) - 1), down
 
 
 @njit
@@ -46,8 +57,7 @@ def scan_words(cur, old, cur_w, old_w, per_word):
     n, nw = cur.size, cur_w.size
     pos = np.empty(1024 + (n >> 8), np.int64)
     new, was = np.empty(pos.size, cur.dtype), np.empty(pos.size, cur.dtype)
-    low, high = _lane_masks(per_word)
-    gather, top, lane_bits, down = _lane_gather(per_word)
+    low, high, gather, top, lane_bits, down = _lanes(per_word)
     k = 0
     for w0 in range(0, nw - nw % _WORDS, _WORDS):
         acc = np.uint64(0)
@@ -76,21 +86,6 @@ def scan_words(cur, old, cur_w, old_w, per_word):
             pos[k], new[k], was[k] = i, cur[i], old[i]
             k += 1
     return pos[:k].copy(), new[:k].copy(), was[:k].copy()
-
-
-@njit
-def _lane_gather(per_word):
-    """``(gather, top, lane_bits, down)``: with ``lanes`` the top bits of a word's lanes shifted
-    down by ``down`` (to bit ``width * j`` for lane ``j``), ``((lanes * gather) >> top) &
-    lane_bits`` holds lane ``j``'s bit at bit ``j``.  ``gather`` has bits ``(width - 1) * (per_word
-    - 1 - j)``: lane ``j`` times the ``j``-th of them lands on ``top + j``, and no two products
-    share a bit (``width * j - (width - 1) * i`` differs for every pair), so nothing carries."""
-    width = 64 // per_word
-    gather = np.uint64(0)
-    for j in range(per_word):
-        gather |= np.uint64(1) << np.uint64((width - 1) * (per_word - 1 - j))
-    return (gather, np.uint64((width - 1) * (per_word - 1)), np.uint64((1 << per_word) - 1),
-            np.uint64(width - 1))
 
 
 @njit
