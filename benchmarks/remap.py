@@ -4,7 +4,11 @@ For each layout the shard of one rank (coordinates 0) is built from the layout p
 shapes as random bf16 tensors, a fraction ``--density`` of the elements is changed, and
 
 * capture throughput: MB of shard scanned per second (integer-view compare vs baseline),
-* remap throughput: million changed elements per second (layout plan, pure index math),
+* remap throughput: million changed elements per second, by the layout plan's transforms (pure
+  index math in torch ops) and by the megatron source's path, the captured slice's runs
+  (:class:`~nemo_dcr.integrations.megatron.source.RunTable`: one compiled merge walk per delta,
+  the transforms only for a delta it declines), with the ratio of the two from the same run and
+  the seconds the tables took to build (once per param, at the first refit),
 * memory: largest tensor any op allocated during capture + remap, and peak-RSS growth,
   both relative to the shard's size,
 
@@ -22,6 +26,7 @@ import time
 import torch
 
 from nemo_dcr.capture import BaselineStore, capture
+from nemo_dcr.integrations.megatron.source import RunTable, _row_runs
 from nemo_dcr.tools.megatron.memory import AllocationTracker
 from nemo_dcr.layout import ModelDims, ParallelLayout, build_plan
 
@@ -65,7 +70,19 @@ def bench(family: str, dims: ModelDims, layout: ParallelLayout, density: float,
         pos = torch.randperm(flat.numel(), generator=gen)[:k]
         flat[pos] = (flat[pos].float() * 1.01 + 1e-4).to(torch.bfloat16)
     shard_bytes = sum(t.numel() * 2 for t in params.values())
-    tracker, cap_s, rem_s = AllocationTracker(), [], []
+    t0 = time.perf_counter()
+    canonical = {n: ("bf16", s) for n, s in plan.canonical_shapes().items()}
+    tables = {n: RunTable.of(_row_runs(plan, n, 0, p.numel, int(p.local_shape[-1]) if p.local_shape else 1),
+                             lambda idx, n=n: plan.remap(n, idx)) for n, p in plan.params.items()}
+    table_s = time.perf_counter() - t0
+
+    def walked(d) -> int:
+        got = tables[d.name].pieces(d, canonical) if tables[d.name] is not None and d.nnz else None
+        if got is None:
+            return plan.remap(d.name, torch.from_numpy(d.positions)).numel()
+        return sum(g.nnz for g in got)
+
+    tracker, cap_s, rem_s, walk_s = AllocationTracker(), [], [], []
     rss0 = _rss_peak_bytes()
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -73,12 +90,18 @@ def bench(family: str, dims: ModelDims, layout: ParallelLayout, density: float,
             deltas = capture(params, store)
             t1 = time.perf_counter()
             nnz = sum(plan.remap(d.name, torch.from_numpy(d.positions)).numel() for d in deltas)
+            t2 = time.perf_counter()
+            if sum(walked(d) for d in deltas) != nnz:
+                raise AssertionError("the run tables and the transforms mapped different counts")
         cap_s.append(t1 - t0)
-        rem_s.append(time.perf_counter() - t1)
+        rem_s.append(t2 - t1)
+        walk_s.append(time.perf_counter() - t2)
     changed = sum(d.nnz for d in deltas)
     return dict(shard_mb=shard_bytes / 1e6, changed=changed, remapped=nnz,
                 capture_mb_s=shard_bytes / 1e6 / min(cap_s),
                 remap_melem_s=changed / 1e6 / min(rem_s),
+                runs_melem_s=changed / 1e6 / min(walk_s),
+                runs_over_transforms=min(walk_s) / min(rem_s), table_s=table_s,
                 max_alloc_vs_shard=tracker.max_bytes / shard_bytes,
                 rss_growth_vs_shard=(_rss_peak_bytes() - rss0) / shard_bytes)
 
@@ -90,12 +113,14 @@ def main() -> None:
     args = p.parse_args()
     print(f"torch threads={torch.get_num_threads()} density={args.density}")
     print(f"{'model':12} {'layout':24} {'shard MB':>9} {'capture MB/s':>13} "
-          f"{'remap Melem/s':>14} {'max alloc/shard':>16} {'RSS growth/shard':>17}")
+          f"{'remap Melem/s':>14} {'runs Melem/s':>13} {'runs/remap':>11} {'tables s':>9} "
+          f"{'max alloc/shard':>16} {'RSS growth/shard':>17}")
     for name, family, dims, lay in LAYOUTS:
         r = bench(family, dims, lay, args.density, args.repeat)
         desc = f"tp{lay.tp} pp{lay.pp} ep{lay.ep} etp{lay.etp} dp{lay.dp}"
         print(f"{name:12} {desc:24} {r['shard_mb']:9.1f} {r['capture_mb_s']:13.0f} "
-              f"{r['remap_melem_s']:14.1f} {r['max_alloc_vs_shard']:16.3f} "
+              f"{r['remap_melem_s']:14.1f} {r['runs_melem_s']:13.1f} {r['runs_over_transforms']:11.3f} "
+              f"{r['table_s']:9.2f} {r['max_alloc_vs_shard']:16.3f} "
               f"{r['rss_growth_vs_shard']:17.3f}")
 
 

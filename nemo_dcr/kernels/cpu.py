@@ -155,3 +155,43 @@ def gather(view, positions, out):
             prefetch(view, positions[i + AHEAD])
         out[i] = view[positions[i]]
     return -1
+
+
+@njit
+def map_runs(positions, start, length, canon, target, n_targets):
+    """Increasing ``positions`` through runs sorted by ``start`` (disjoint): run ``r`` maps
+    ``[start[r], start[r] + length[r])`` to ``canon[r] + k`` of target ``target[r]`` (``0 ..
+    n_targets - 1``).
+
+    Returns ``(bad, sel, index, counts)``: ``bad`` the first entry that is not above the one
+    before it or lies in no run (then nothing else), else -1; ``sel`` (entries into
+    ``positions``) and ``index`` (their mapped indices) grouped by target in target order, each
+    group in entry order; ``counts`` the entries per target.  One merge walk over both, then one
+    counting pass."""
+    m, nr = positions.size, start.size
+    run = np.empty(m, np.int64)
+    counts = np.zeros(n_targets, np.int64)
+    r, prev = 0, np.int64(-1)
+    for i in range(m):
+        p = positions[i]
+        if p <= prev:
+            return i, run[:0], run[:0], counts
+        prev = p
+        while r < nr and start[r] + length[r] <= p:
+            r += 1
+        if r == nr or p < start[r]:
+            return i, run[:0], run[:0], counts
+        run[i] = r
+        counts[target[r]] += 1
+    at = np.empty(n_targets, np.int64)
+    acc = 0
+    for t in range(n_targets):
+        at[t] = acc
+        acc += counts[t]
+    sel, index = np.empty(m, np.int64), np.empty(m, np.int64)
+    for i in range(m):
+        r = run[i]
+        k = at[target[r]]
+        sel[k], index[k] = i, canon[r] + positions[i] - start[r]
+        at[target[r]] = k + 1
+    return -1, sel, index, counts

@@ -6,7 +6,8 @@ returns old bits, the decode's position sort, the sampled checks' slices, the ke
 updates): ~20 s of the main job's first step on two cores.  This module runs the codec warm-up and
 then the whole refit path once in this process, on small bf16 and fp32 tensors: attach, delta
 refits under the ``sampled`` and ``full`` checks with ``reference`` sized, and the sampled
-checksum of captured runs (the megatron source's), so every later process loads machine code.
+checksum of captured runs and the remap through them (the megatron source's), so every later
+process loads machine code.
 ``scripts/setup_env.sh`` runs it after installing.
 """
 
@@ -21,6 +22,7 @@ import torch
 from nemo_dcr.apply import TensorEngine
 from nemo_dcr.codec.warm import warm as warm_codec
 from nemo_dcr.config.schema import DcrConfig
+from nemo_dcr.kernels.cpu import map_runs
 from nemo_dcr.verify.sample import Sample, runs_checksum
 
 from .canonical import CanonicalSource
@@ -55,6 +57,9 @@ def _runs(sample: Sample) -> None:
     for local, canon, length in ((np.array([0]), np.array([0]), np.array([4096])),
                                  (np.array([0, 2048]), np.array([4096, 0]), np.array([2048, 2048]))):
         runs_checksum(bits, local.astype(np.int64), canon.astype(np.int64), length.astype(np.int64), sample, "w")
+        # the megatron source's remap of captured positions through the same runs
+        map_runs(np.arange(0, 4096, 7, dtype=np.int64), local.astype(np.int64), length.astype(np.int64),
+                 canon.astype(np.int64), np.zeros(local.size, np.int64), 1)
 
 
 def warm() -> float:

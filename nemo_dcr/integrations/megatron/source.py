@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.layout import LayoutError, MegatronSpec, ModelDims, ParallelLayout, build_chunk_plans, chunk_layers
+from nemo_dcr.kernels.cpu import map_runs
 from nemo_dcr.kernels.traffic import host_bits
 from nemo_dcr.types import SparseDelta, spec_of
 from nemo_dcr.verify.checksum import MASK64
@@ -51,6 +52,62 @@ class Runs:
         rep = np.repeat(np.arange(n.size), n)
         k = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
         return loc[rep] + k, can[rep] + k
+
+
+@dataclass(frozen=True)
+class RunTable:
+    """Every run of one param's captured slice, over all its canonical tensors, sorted by local
+    start: what :meth:`MegatronSource.remap` maps increasing positions through
+    (:func:`nemo_dcr.kernels.cpu.map_runs`), in place of the transforms' index arithmetic.
+
+    ``names`` are the canonical tensors in the order the plan's transform gives its pieces, so
+    the pieces come out as the transform's would (same order, same entries in each)."""
+
+    names: tuple[str, ...]
+    start: np.ndarray
+    length: np.ndarray
+    canon: np.ndarray
+    target: np.ndarray
+
+    @classmethod
+    def of(cls, runs: Mapping[str, Runs], transform) -> "RunTable | None":
+        """The table of ``runs`` (canonical name -> runs); ``transform(idx)`` the plan's remap of
+        local positions, which orders the names.  None when there are no runs, or when the
+        transform's pieces do not name exactly the runs' tensors."""
+        if not runs:
+            return None
+        starts = np.concatenate([r.local for r in runs.values()])
+        names = tuple(p.name for p in transform(torch.from_numpy(np.sort(starts))))
+        if sorted(names) != sorted(runs):
+            return None
+        target = np.concatenate([np.full(r.local.size, names.index(n), np.int64) for n, r in runs.items()])
+        length = np.concatenate([r.length for r in runs.values()])
+        canon = np.concatenate([r.canon for r in runs.values()])
+        order = np.argsort(starts, kind="stable")
+        start, length, canon, target = (np.ascontiguousarray(a[order], np.int64) for a in (starts, length, canon, target))
+        if np.any(start[1:] < start[:-1] + length[:-1]):
+            return None  # overlapping runs: never built by _row_runs, but the walk needs them disjoint
+        return cls(names, start, length, canon, target)
+
+    def pieces(self, delta: SparseDelta, canonical: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[SparseDelta] | None:
+        """Canonical pieces of ``delta`` (local positions of this param), in the transform's
+        order; None when a position lies in no run or the positions do not increase."""
+        pos = np.ascontiguousarray(delta.positions, np.int64)
+        bad, sel, index, counts = map_runs(pos, self.start, self.length, self.canon, self.target, len(self.names))
+        if bad >= 0:
+            return None
+        out, a = [], 0
+        for name, c in zip(self.names, counts.tolist()):
+            if not c:
+                continue
+            if c == pos.size:  # every entry, in order: the bits as they are
+                new, old = delta.new_bits, delta.old_bits
+            else:
+                s = sel[a:a + c]
+                new, old = delta.new_bits[s], None if delta.old_bits is None else delta.old_bits[s]
+            out.append(SparseDelta(name, delta.dtype, canonical[name][1], index[a:a + c], new, old))
+            a += c
+        return out
 
 
 class MegatronSource:
@@ -88,10 +145,21 @@ class MegatronSource:
             self.ranges[k] = (0, 0)
         self.canonical = {n: (wire, tuple(s)) for n, s in self.plans[0].canonical_shapes().items()}
         self._runs: dict[str, dict[str, Runs]] = {}
+        self._tables: dict[str, RunTable | None] = {}
 
     def remap(self, delta: SparseDelta) -> list[SparseDelta]:
-        """Canonical pieces of one local delta (pure index arithmetic, no gather)."""
+        """Canonical pieces of one local delta (cost ∝ changes).
+
+        Positions inside the captured slice go through its runs (:class:`RunTable`: one compiled
+        merge walk); any other delta (a position outside every run, e.g. vocabulary padding or
+        outside the slice, or positions not increasing) through the layout plan's transforms,
+        which give the same pieces (and name an out-of-range position)."""
         lp = self.local[delta.name]
+        table = self._table(delta.name)
+        if table is not None and delta.nnz:
+            pieces = table.pieces(delta, self.canonical)
+            if pieces is not None:
+                return pieces
         res = self.plans[lp.chunk].remap(lp.name, torch.from_numpy(delta.positions))
         out = []
         for piece in res:
@@ -100,6 +168,13 @@ class MegatronSource:
             out.append(SparseDelta(piece.name, delta.dtype, self.canonical[piece.name][1],
                                    piece.index.numpy().astype(np.int64), delta.new_bits[sel], old))
         return out
+
+    def _table(self, key: str) -> "RunTable | None":
+        """The :class:`RunTable` of ``key``'s captured slice (built once; None: no runs)."""
+        if key not in self._tables:
+            lp = self.local[key]
+            self._tables[key] = RunTable.of(self.runs(key), lambda idx: self.plans[lp.chunk].remap(lp.name, idx))
+        return self._tables[key]
 
     def runs(self, key: str) -> dict[str, Runs]:
         """Canonical tensor -> runs of the captured slice of ``key`` (built once, then cached)."""
