@@ -168,6 +168,12 @@ class RefitSender:
         """Canonical tensors this rank owns, sorted."""
         return sorted(n for n, r in self.owners.items() if r == self.group.rank)
 
+    def wait(self) -> None:
+        """Wait for the work this rank's last refit left behind its report: the kept class
+        indexes' moves of the route views and of the mirror, each on a thread of its own."""
+        self.router.wait()
+        self.mirror.indexes  # noqa: B018 -- the property waits for the move
+
     # -- protocol pieces --------------------------------------------------------------------
 
     def _encode(self, owned: Sequence[SparseDelta], ident: Identity):
@@ -476,6 +482,8 @@ class RefitSender:
         with clock(Phase.TELEMETRY):
             sizes = self._telemetry(sent_deltas, telemetry)
             fmt = self.mirror.telemetry(self.cfg.encoding if telemetry else None)
+            if telemetry:  # every rank's sizing ends before any rank's verify starts: no rank's refit
+                self.group.all_true(True)  # phase waits for, or shares the cores with, another's telemetry
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             if lost:

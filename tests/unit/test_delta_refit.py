@@ -8,6 +8,8 @@ with (integer views), never the refit's own mirror or checksums.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +73,19 @@ def test_attach_resyncs_an_empty_engine_then_sparse_refits(rig):
         assert step_record(step, r)["engine_seconds"] == {k: round(v, 6) for k, v in r.engine_seconds.items()}
     r = refit.step()  # nothing changed: an empty delta still moves the version
     assert r.changed == 0 and r.committed and engine.version == r.version
+
+
+def test_wait_returns_once_the_work_behind_the_report_is_done(rig):
+    trainer, engine, refit = rig
+    refit.attach()
+    trainer.step()
+    assert refit.step().committed
+    assert refit.wait() >= 0
+    behind = ("nemo-dcr-mirror-index", "nemo-dcr-route-views")
+    assert not [t.name for t in threading.enumerate() if t.name in behind and t.is_alive()]
+    assert refit.wait() >= 0  # nothing left: returns at once
+    trainer.step()
+    assert refit.step().committed and _exact(trainer, engine)
 
 
 def test_attach_to_an_engine_that_already_holds_the_weights_sends_nothing():

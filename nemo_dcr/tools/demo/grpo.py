@@ -65,6 +65,14 @@ def dense_refit(link: DenseLink, handle, starter: int, version: int) -> tuple[fl
     return seconds, r.same, {"recv": r.recv_s, "convert": r.convert_s, "load": r.load_s, "bytes": r.bytes}
 
 
+def _behind(refit: DeltaRefit) -> float:
+    """The slowest trainer rank's seconds waiting for the work its refit left behind the report
+    (collective): done before the dense refit is timed, so that work does not slow the baseline."""
+    waited = torch.tensor([refit.wait()], dtype=torch.float64)
+    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+    return float(waited)
+
+
 def _gather_loss(loss: float | None) -> float | None:
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(loss, out, dst=0)
@@ -152,6 +160,7 @@ def _steps(cfg, trainer, refit, handle, link, starter, telemetry, steps: list[di
     is_starter = dist.get_rank() == starter
     for step in range(1, cfg.run.steps + 1):
         batch, loss, report = train_step(trainer, refit, handle, starter)
+        behind = _behind(refit)
         every = cfg.run.dense_compare_interval
         dense_s, same, parts = dense_refit(link, handle, starter, report.version) \
             if every and step % every == 0 else (None, None, {})
@@ -159,7 +168,7 @@ def _steps(cfg, trainer, refit, handle, link, starter, telemetry, steps: list[di
             rec = step_record(step, report, reward=batch.reward_mean, shaped_reward=batch.shaped_reward_mean,
                               loss=loss, rollout_version=batch.version, bit_exact=same, dense_refit_s=dense_s)
             telemetry.write(rec)
-            steps.append(dict(rec, encoding=cfg.dcr.encoding, dense_parts=parts))
+            steps.append(dict(rec, encoding=cfg.dcr.encoding, dense_parts=parts, behind_s=behind))
             per_step = (time.perf_counter() - loop0) / step
             say(step_line(steps[-1], cfg.run.steps, eta(step, cfg.run.steps, per_step)))
 

@@ -82,6 +82,7 @@ def summarize(cfg, steps: list[dict], init, seconds: float, dense_method: str) -
         "dense_method": dense_method,
         "dense_seconds_parts_mean": {k: _mean(s.get("dense_parts", {}).get(k) for s in steps)
                                      for k in ("recv", "convert", "load")},
+        "behind_seconds_mean": _mean(s.get("behind_s") for s in steps),
         "attach_seconds": init.times["total"], "attach_payload_bytes": init.payload_bytes,
         "attach_resynced": init.resynced, "attach_phase_seconds": dict(init.times),
         "phase_seconds_mean": {k: _mean(s["times"].get(k) for s in steps)
