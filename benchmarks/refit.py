@@ -209,7 +209,9 @@ class Trainer:
                     **columns(r.times))
 
     def dense_refit(self) -> dict:
-        """Every tensor's bytes through the same transport; full checksums compared."""
+        """Every tensor's bytes through the same transport; full checksums compared (timed once
+        the delta refit before it has no work left on this process: its index moves)."""
+        self.refit.wait()
         clock, version = PhaseClock(), self.refit.sender.mirror.version + 1
         sent0 = self.transport.bytes_sent
         names = list(self.params)

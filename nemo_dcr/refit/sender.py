@@ -482,8 +482,10 @@ class RefitSender:
         with clock(Phase.TELEMETRY):
             sizes = self._telemetry(sent_deltas, telemetry)
             fmt = self.mirror.telemetry(self.cfg.encoding if telemetry else None)
-            if telemetry:  # every rank's sizing ends before any rank's verify starts: no rank's refit
-                self.group.all_true(True)  # phase waits for, or shares the cores with, another's telemetry
+            # Every rank's sizing ends before any rank's verify starts, so no trainer rank's refit
+            # phase waits for, or shares the cores with, another rank's telemetry.
+            if telemetry:
+                self.group.all_true(True)
         if not ok:
             self._detected += [r.reason for r in replies if not r.ok] or ["a peer saw a refusal"]
             if lost:
