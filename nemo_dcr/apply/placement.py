@@ -22,6 +22,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from nemo_dcr.kernels.cpu import from_view_runs, select_runs
 from nemo_dcr.types import SparseDelta
 
 
@@ -125,13 +126,10 @@ class Runs:
             lo = hi
 
     def select(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For sorted canonical ``positions``: (held mask, view index, local index) of the held ones."""
-        pos = np.asarray(positions, np.int64)
-        r = np.searchsorted(self.canon, pos, side="right") - 1
-        rr = np.maximum(r, 0)
-        held = (r >= 0) & (pos < self.canon[rr] + self.length[rr]) if self.canon.size else np.zeros(pos.size, bool)
-        k = pos[held] - self.canon[rr[held]]
-        return held, self.view_start[rr[held]] + k, self.local[rr[held]] + k * self.step[rr[held]]
+        """For canonical ``positions`` (increasing ones cost one merge walk over them and the
+        runs): (held mask, view index, local index) of the held ones."""
+        pos = np.ascontiguousarray(positions, np.int64)
+        return select_runs(pos, self.canon, self.length, self.view_start, self.local, self.step)
 
     def of_view(self, intervals: Sequence[tuple[int, int]]) -> "Runs":
         """The runs of the held elements at view indices ``[start, start + length)`` of each
@@ -167,10 +165,10 @@ class Runs:
         return self._from_view(view, self.canon, None)
 
     def _from_view(self, view: np.ndarray, starts: np.ndarray, step: np.ndarray | None) -> np.ndarray:
-        v = np.asarray(view, np.int64)
-        r = np.searchsorted(self.view_start, v, side="right") - 1
-        k = v - self.view_start[r]
-        return starts[r] + (k if step is None else k * step[r])
+        v = np.ascontiguousarray(view, np.int64)
+        if v.size and not self.canon.size:
+            raise IndexError(f"view indices {int(v[0])}.. of a view that holds no element")
+        return from_view_runs(v, self.view_start, starts, self.step if step is None else step, step is not None)
 
 
 @dataclass(frozen=True)

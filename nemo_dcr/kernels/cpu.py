@@ -3,7 +3,9 @@
 These are the CPU paths of :func:`nemo_dcr.kernels.changed_positions`,
 :func:`nemo_dcr.kernels.write_bits`, :func:`nemo_dcr.kernels.read_bits` and
 :func:`nemo_dcr.kernels.unequal_at`; the torch ops stay
-the device paths and the test references.  Arrays are numpy integer views of one width.
+the device paths and the test references.  Also the walks through sorted runs (the megatron
+source's remap, :class:`~nemo_dcr.apply.placement.Runs`' maps) and the routing's merge of
+increasing pieces.  Arrays are numpy integer views of one width.
 """
 
 from __future__ import annotations
@@ -195,3 +197,99 @@ def map_runs(positions, start, length, canon, target, n_targets):
         sel[k], index[k] = i, canon[r] + positions[i] - start[r]
         at[target[r]] = k + 1
     return -1, sel, index, counts
+
+
+@njit
+def _run_at(starts, r, p):
+    """The last run ``q`` with ``starts[q] <= p`` (-1: none), searched from run ``r`` (the last
+    answer): a few steps forward for the next position of an increasing stream, else bisection."""
+    nr = starts.size
+    if 0 <= r < nr and starts[r] <= p:
+        for _ in range(8):
+            if r + 1 == nr or starts[r + 1] > p:
+                return r
+            r += 1
+        lo, hi = r, nr  # starts[lo] <= p
+    else:
+        lo, hi = -1, nr if r < 0 or r >= nr else r
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if starts[mid] <= p:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@njit
+def select_runs(positions, canon, length, vstart, local, step):
+    """Runs (sorted, disjoint ``[canon[r], canon[r] + length[r])``; view index of their first
+    element ``vstart[r]``, local ``local[r]`` moving by ``step[r]``) at canonical ``positions``
+    (any order; increasing ones in one merge walk): ``(held mask, view index, local index)`` of
+    the held entries, in entry order."""
+    m = positions.size
+    held = np.zeros(m, np.bool_)
+    view, loc = np.empty(m, np.int64), np.empty(m, np.int64)
+    k, r = 0, -1
+    for i in range(m):
+        p = positions[i]
+        r = _run_at(canon, r, p)
+        if r >= 0 and p < canon[r] + length[r]:
+            off = p - canon[r]
+            held[i] = True
+            view[k], loc[k] = vstart[r] + off, local[r] + off * step[r]
+            k += 1
+    return held, view[:k], loc[:k]
+
+
+@njit
+def from_view_runs(view, vstart, starts, step, stepped):
+    """``starts[r] + k`` (``stepped``: ``+ k * step[r]``) of each view index ``view[i] = vstart[r]
+    + k`` (``r``: the last run with ``vstart[r] <= view[i]``; any order, increasing ones in one
+    walk)."""
+    out = np.empty(view.size, np.int64)
+    r = -1
+    for i in range(view.size):
+        v = view[i]
+        r = _run_at(vstart, r, v)
+        k = v - vstart[r]
+        out[i] = starts[r] + (k * step[r] if stepped else k)
+    return out
+
+
+@njit
+def merge_sorted(pos, new, old, offsets, with_old):
+    """Merge pieces ``pos[offsets[q]:offsets[q + 1]]`` (each strictly increasing) with their
+    ``new`` (and, ``with_old``, ``old``) bits into one increasing stream, in one pass: the piece
+    whose next position is smallest gives every entry below the other pieces' next positions at
+    once (a piece of disjoint range is one copy).  Returns ``(dup, pos, new, old)``: ``dup`` an
+    entry of ``pos`` whose position another piece also holds (then the rest is unspecified),
+    else -1."""
+    k, n = offsets.size - 1, pos.size
+    head, end = offsets[:-1].copy(), offsets[1:]
+    out_p, out_n = np.empty(n, np.int64), np.empty(n, new.dtype)
+    out_o = np.empty(n if with_old else 0, old.dtype)
+    big = np.iinfo(np.int64).max
+    t = 0
+    while t < n:
+        best, bp, second = -1, big, big
+        for q in range(k):
+            if head[q] < end[q]:
+                p = pos[head[q]]
+                if p < bp:
+                    best, bp, second = q, p, bp
+                elif p < second:
+                    second = p
+        if bp == second:
+            return head[best], out_p, out_n, out_o
+        i, e = head[best], end[best]
+        while i < e and pos[i] < second:
+            out_p[t], out_n[t] = pos[i], new[i]
+            if with_old:
+                out_o[t] = old[i]
+            i += 1
+            t += 1
+        if i < e and pos[i] == second:
+            return i, out_p, out_n, out_o
+        head[best] = i
+    return -1, out_p, out_n, out_o

@@ -27,6 +27,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from nemo_dcr.kernels.cpu import merge_sorted
 from nemo_dcr.types import SparseDelta
 
 from .group import TrainerGroup
@@ -233,8 +234,13 @@ def _increasing(pos: np.ndarray) -> bool:
     return pos.size < 2 or bool((pos[1:] > pos[:-1]).all())
 
 
+_MERGE_WAYS = 16
+"""Pieces of one tensor up to which :func:`merge` takes their next entries in one pass (more: a sort)."""
+
+
 def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
-    """One delta per tensor from pieces sent by several ranks, sorted by position.
+    """One delta per tensor from pieces sent by several ranks, sorted by position (increasing
+    pieces, as capture and routing make them: one merge pass, no sort).
 
     Raises:
         ValueError: two pieces carry the same element (two ranks captured it: a broken layout).
@@ -244,16 +250,25 @@ def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
         groups[p.name].append(p)
     out = []
     for name, ps in sorted(groups.items()):
-        if len(ps) == 1 and _increasing(ps[0].positions):
+        ordered = all(_increasing(p.positions) for p in ps)
+        if len(ps) == 1 and ordered:
             out.append(ps[0])  # one piece already in order: no copy (the first sync's pieces are the model)
             continue
-        pos = np.concatenate([p.positions for p in ps])
-        order = np.argsort(pos, kind="stable")
-        pos = pos[order]
-        if pos.size > 1 and bool((np.diff(pos) <= 0).any()):
-            dup = int(pos[np.flatnonzero(np.diff(pos) <= 0)[0]])
-            raise ValueError(f"{name}: element {dup} was captured twice (two ranks own it)")
-        new = np.concatenate([p.new_bits for p in ps])[order]
-        old = None if any(p.old_bits is None for p in ps) else np.concatenate([p.old_bits for p in ps])[order]
-        out.append(SparseDelta(name, ps[0].dtype, ps[0].shape, pos, new, old))
+        with_old = all(p.old_bits is not None for p in ps)
+        pos = np.concatenate([p.positions for p in ps]).astype(np.int64, copy=False)
+        new = np.concatenate([p.new_bits for p in ps])
+        old = np.concatenate([p.old_bits for p in ps]) if with_old else new[:0]
+        if ordered and len(ps) <= _MERGE_WAYS:
+            offsets = np.cumsum([0] + [p.positions.size for p in ps], dtype=np.int64)
+            dup, merged, new, old = merge_sorted(pos, new, old, offsets, with_old)
+            if dup >= 0:
+                raise ValueError(f"{name}: element {int(pos[dup])} was captured twice (two ranks own it)")
+            pos = merged
+        else:
+            order = np.argsort(pos, kind="stable")
+            pos, new, old = pos[order], new[order], old[order] if with_old else old
+            if pos.size > 1 and bool((np.diff(pos) <= 0).any()):
+                dup = int(pos[np.flatnonzero(np.diff(pos) <= 0)[0]])
+                raise ValueError(f"{name}: element {dup} was captured twice (two ranks own it)")
+        out.append(SparseDelta(name, ps[0].dtype, ps[0].shape, pos, new, old if with_old else None))
     return out

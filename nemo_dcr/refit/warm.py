@@ -6,7 +6,8 @@ returns old bits, the decode's position sort, the sampled checks' slices, the ke
 updates): ~20 s of the main job's first step on two cores.  This module runs the codec warm-up and
 then the whole refit path once in this process, on small bf16 and fp32 tensors: attach, delta
 refits under the ``sampled`` and ``full`` checks with ``reference`` sized, and the sampled
-checksum of captured runs and the remap through them (the megatron source's), so every later
+checksum of captured runs and the remap through them (the megatron source's), the routing's walks
+through a view's runs and its merge of pieces, so every later
 process loads machine code.
 ``scripts/setup_env.sh`` runs it after installing.
 """
@@ -20,13 +21,16 @@ import numpy as np
 import torch
 
 from nemo_dcr.apply import TensorEngine
+from nemo_dcr.apply.placement import Runs
 from nemo_dcr.codec.warm import warm as warm_codec
 from nemo_dcr.config.schema import DcrConfig
 from nemo_dcr.kernels.cpu import map_runs
+from nemo_dcr.types import DTYPES, SparseDelta
 from nemo_dcr.verify.sample import Sample, runs_checksum
 
 from .canonical import CanonicalSource
 from .delta_refit import DeltaRefit
+from .routing import merge
 from .wiring import colocated_wiring
 
 KEY = b"nemo-dcr-warm-up-key-0123456789ab"
@@ -60,6 +64,15 @@ def _runs(sample: Sample) -> None:
         # the megatron source's remap of captured positions through the same runs
         map_runs(np.arange(0, 4096, 7, dtype=np.int64), local.astype(np.int64), length.astype(np.int64),
                  canon.astype(np.int64), np.zeros(local.size, np.int64), 1)
+    # the routing's walks: a view's changes, the owner's canonical ones, the merge of ranks' pieces
+    view = Runs(np.array([0, 100]), np.array([0, 50]), np.array([50, 50]))
+    _, j, _ = view.select(np.arange(0, 150, 3))
+    view.view_to_canon(j), view.view_to_local(j)
+    a, b = np.arange(0, 64, 2), np.arange(1, 64, 2)
+    for dtype in ("bf16", "fp32", "fp8_e4m3"):
+        uint = DTYPES[dtype].uint
+        for old in (True, False):
+            merge([SparseDelta("w", dtype, (64,), p, p.astype(uint), p.astype(uint) if old else None) for p in (a, b)])
 
 
 def warm() -> float:

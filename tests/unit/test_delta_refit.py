@@ -219,6 +219,33 @@ def test_merge_sorts_and_refuses_overlap():
         merge([a, a])
 
 
+def test_merge_of_interleaved_pieces_equals_a_sort():
+    """Pieces as TP ranks route them (column slices interleaved row by row, disjoint row ranges,
+    one piece out of order, up to more pieces than one merge pass takes) against a plain sort."""
+    rng = np.random.default_rng(3)
+    for trial in range(120):
+        n, k = 600, int(rng.integers(1, 24))
+        owner = rng.integers(0, k, n) if trial % 3 else np.arange(n) * k // n  # interleaved / row ranges
+        keep = rng.random(n) < 0.4
+        with_old = bool(trial % 2)
+        pieces = []
+        for q in range(k):
+            pos = np.flatnonzero((owner == q) & keep)
+            if trial % 5 == 0 and q == 0:
+                pos = pos[::-1].copy()
+            pieces.append(SparseDelta("t", "bf16", (n,), pos, (pos * 7 % 65521).astype(np.uint16),
+                                      (pos * 3).astype(np.uint16) if with_old else None))
+        (m,) = merge(pieces)
+        want = np.flatnonzero(keep)
+        assert np.array_equal(m.positions, want) and np.array_equal(m.new_bits, (want * 7 % 65521).astype(np.uint16))
+        assert (m.old_bits is None) != with_old
+        assert not with_old or np.array_equal(m.old_bits, (want * 3).astype(np.uint16))
+        if want.size:
+            twice = SparseDelta("t", "bf16", (n,), want[-1:], np.zeros(1, np.uint16), None)
+            with pytest.raises(ValueError, match=f"element {want[-1]} was captured twice"):
+                merge(pieces + [twice])
+
+
 def test_owners_balance_by_size_and_pack_roundtrips():
     from nemo_dcr.refit.routing import Coding, PackEntry, assign_owners, pack, unpack
 

@@ -94,6 +94,46 @@ def test_runs_select_and_views():
     assert runs.view_to_canon(view).tolist() == [1, 6, 20]
 
 
+def _select_oracle(runs: Runs, pos: np.ndarray):
+    """Runs.select by numpy bisection (the map written out, not the compiled walk under test)."""
+    r = np.searchsorted(runs.canon, pos, side="right") - 1
+    rr = np.maximum(r, 0)
+    held = (r >= 0) & (pos < runs.canon[rr] + runs.length[rr]) if runs.canon.size else np.zeros(pos.size, bool)
+    k = pos[held] - runs.canon[rr[held]]
+    return held, runs.view_start[rr[held]] + k, runs.local[rr[held]] + k * runs.step[rr[held]]
+
+
+def test_runs_select_and_view_maps_match_bisection_in_any_order():
+    """The compiled merge walk against bisection: random runs (gaps, steps, long jumps past
+    several runs), positions sorted and shuffled, held and not held, no runs at all."""
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        nr = int(rng.integers(0, 60))
+        length = rng.integers(1, 20, nr)
+        gaps = rng.integers(0, 6, nr) * (rng.random(nr) < 0.7)
+        canon = (np.cumsum(gaps + np.concatenate([[0], length[:-1]])) if nr else np.zeros(0)).astype(np.int64)
+        runs = Runs(canon, rng.integers(0, 5000, nr).astype(np.int64), length.astype(np.int64),
+                    rng.integers(1, 4, nr).astype(np.int64))
+        top = int(canon[-1] + length[-1] + 5) if nr else 10
+        for shuffled in (False, True):
+            pos = np.sort(rng.choice(top, size=int(rng.integers(0, top + 1)), replace=False)).astype(np.int64)
+            if shuffled:
+                rng.shuffle(pos)
+            for got, want in zip(runs.select(pos), _select_oracle(runs, pos)):
+                assert np.array_equal(got, want), trial
+            if runs.numel:
+                view = rng.integers(0, runs.numel, 40)
+                view = view if shuffled else np.sort(view)
+                r = np.searchsorted(runs.view_start, view, side="right") - 1
+                k = view - runs.view_start[r]
+                assert np.array_equal(runs.view_to_canon(view), runs.canon[r] + k)
+                assert np.array_equal(runs.view_to_local(view), runs.local[r] + k * runs.step[r])
+    empty = Runs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert empty.view_to_canon(np.zeros(0, np.int64)).size == 0
+    with pytest.raises(IndexError, match="holds no element"):
+        empty.view_to_canon(np.array([0]))
+
+
 def test_runs_found_in_chunks_are_joined_and_a_contiguous_view_gathers_without_a_copy():
     """A probe finds runs chunk by chunk: a view that is one contiguous range of its param must
     come out as one run (its decode base is then a view of the param, not a copy per refit)."""

@@ -30,6 +30,7 @@ BSHIFT = 12
 BLOCK = 1 << BSHIFT
 SSHIFT = 4  # blocks per superblock = 16
 EV = BSHIFT + 1  # class shift in a block event (local index and departure flag below)
+SEGMENT = 16  # entries of an unchanged segment above which a block rewrite copies it as one slice
 SHIFTS = 2  # moves in one block up to which entries are shifted per move instead of rewritten once
 
 
@@ -296,9 +297,12 @@ def _rewrite(b, keys, order, tmp):
     base = b << BSHIFT
     start = keys[0] >> 22
     cur, t = base + start, 0
-    for key in keys:  # element loops, not slice copies: most segments are a few entries
+    for key in keys:
         at = base + (key >> 22)
-        while cur < at:
+        if at - cur > SEGMENT:  # a long segment: one slice copy
+            tmp[t : t + at - cur] = order[cur:at]
+            t, cur = t + at - cur, at
+        while cur < at:  # a short one: element by element
             tmp[t] = order[cur]
             t, cur = t + 1, cur + 1
         if key & (1 << 21):
@@ -306,8 +310,7 @@ def _rewrite(b, keys, order, tmp):
         else:
             tmp[t] = key & (BLOCK - 1)
             t += 1
-    for i in range(t):
-        order[base + start + i] = tmp[i]
+    order[base + start : base + start + t] = tmp[:t]
 
 
 @njit
