@@ -127,6 +127,8 @@ def main(argv=None) -> dict:
             for m in moves:
                 m()
             c4 = time.process_time()
+        if sorted(d.name for d in merged) != names:
+            raise SystemExit("route: the owner's merged changes do not cover every tensor once")
         for d in merged:
             want = np.flatnonzero(new[d.name] != old[d.name])
             if not (np.array_equal(d.positions, want) and np.array_equal(d.new_bits, new[d.name][want])):
