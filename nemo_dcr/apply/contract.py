@@ -23,6 +23,10 @@ transactions.  :class:`Engine` is the one protocol (docs/engines.md, "The contra
   weights (its loader and post-load processing); the differences, empty when bit-identical
   (docs/engines.md, "Engine truth").  An engine without a loader of its own (tensors held
   whole, or views into params it was handed) has nothing to compare and returns none.
+* ``settle()``: wait until the work a commit left running behind it is done (the kept ``dcr``
+  class indexes' move, which the next version's decode would wait for); the seconds waited.  A
+  benchmark calls it before timing anything else on the same cores (the dense refit it compares
+  with), so that work is charged to the refit that left it, never to the baseline.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class Engine(Protocol):
 
     def preflight(self) -> list[str]: ...
 
+    def settle(self) -> float: ...
+
 
 class ForwardingEngine:
     """An :class:`Engine` that forwards every member to ``inner``: the base of wrappers that watch
@@ -119,6 +125,9 @@ class ForwardingEngine:
 
     def preflight(self) -> list[str]:
         return self.inner.preflight()
+
+    def settle(self) -> float:
+        return self.inner.settle()
 
 
 def apply_version(engine: Engine, parts: Parts, resync: bool = False) -> ApplyResult:

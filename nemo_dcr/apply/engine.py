@@ -19,6 +19,7 @@ write guard held), then the driver tells all ranks to :meth:`~TensorEngine.commi
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
@@ -96,6 +97,13 @@ class TensorEngine:
         (each commit moves them on a thread of its own, so it returns, and the engine answers,
         first: :class:`~nemo_dcr.codec.MovedIndexes`)."""
         return None if self._kept is None else self._kept.current
+
+    def settle(self) -> float:
+        """Wait for the kept indexes' move the last commit started (none kept, or none running:
+        returns at once); the seconds waited."""
+        t0 = time.perf_counter()
+        self.indexes  # noqa: B018 -- waits for the move in flight
+        return time.perf_counter() - t0
 
     def placement(self) -> list[dict]:
         """This rank's placement as one shard (JSON form), or none for tensors held whole."""

@@ -10,9 +10,12 @@ An engine rank keeps two values per canonical tensor it holds:
   holder of (:func:`~.placement.assign_primary`), so that summing every engine rank's values gives
   each canonical tensor's total with replicated elements counted once, whatever the layout.
 
-For tensors held whole both are the same value.  Both move only with a committed version: views to
-the records' verified target checksums, canonical sums by the written changes (cost ∝ changes),
-both rescanned after a resync or on a full scan.
+For tensors held whole both are the same value, and so are they for a placed tensor whose view is
+*whole*: every canonical element held here, this rank their primary holder (view index =
+canonical index: a TP=1 engine's fused params).  Both move only with a committed version: views
+to the records' verified target checksums, canonical sums by the written changes (cost ∝
+changes; a whole view's takes its view's value, cost per tensor), both rescanned after a resync
+or on a full scan.
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ def _canonical_delta(d: SparseDelta, tp: TensorPlacement) -> SparseDelta:
                        d.old_bits[keep])
 
 
+def _whole(tp: TensorPlacement) -> bool:
+    """Whether ``tp``'s view is the whole canonical tensor with every element primary here (its view
+    index is the canonical index, so its canonical sum is its view checksum)."""
+    n = int(np.prod(tp.shape, dtype=np.int64))
+    return tp.runs.numel == n and tuple(tp.primary) == (((0, n),) if n else ())
+
+
 def _same_runs(a: Runs, b: Runs) -> bool:
     """Whether two run maps hold the same elements the same way (every held element primary:
     its canonical sum is its view's, computed once)."""
@@ -76,6 +86,7 @@ class HeldSums:
         self.views: dict[str, int] = {}
         self._canonical: dict[str, int] = {}
         self._primary_runs: dict[str, Runs] = {}
+        self._whole = frozenset(n for n, tp in placed.items() if _whole(tp))
         self.rescan()
 
     def _scan_canonical(self, name: str) -> int:
@@ -91,7 +102,8 @@ class HeldSums:
         names = list(self.tensors if names is None else names)
         self.views.update(full_checksums({n: self.tensors[n] for n in names}))
         if self.placed:
-            self._canonical.update({n: self._scan_canonical(n) for n in names})
+            self._canonical.update({n: self.views[n] if n in self._whole else self._scan_canonical(n)
+                                    for n in names})
 
     def commit(self, result: ApplyResult) -> None:
         """A version committed: views take the records' verified targets; canonical sums move by
@@ -100,10 +112,12 @@ class HeldSums:
         if not self.placed:
             return
         if result.resync:
-            self._canonical.update({n: self._scan_canonical(n) for n in result.touched})
+            self._canonical.update({n: self.views[n] if n in self._whole else self._scan_canonical(n)
+                                    for n in result.touched})
             return
-        moved = [_canonical_delta(d, self.placed[d.name]) for d in result.deltas if d.nnz]
+        moved = [_canonical_delta(d, self.placed[d.name]) for d in result.deltas if d.nnz and d.name not in self._whole]
         self._canonical = checksums_after(self._canonical, moved)
+        self._canonical.update({d.name: self.views[d.name] for d in result.deltas if d.name in self._whole})
 
     def sampled(self, sample: Sample) -> EngineChecksums:
         """The sums of ``sample``'s slice recomputed from the live tensors (nothing kept changes):

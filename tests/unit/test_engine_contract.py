@@ -34,7 +34,7 @@ def _engines():
 
 def test_the_protocol_has_the_members_the_docs_list():
     assert MEMBERS == ["checksums", "commit", "digests", "placement", "preflight", "prepare", "rollback", "serving",
-                       "version"]
+                       "settle", "version"]
 
 
 @pytest.mark.parametrize("cls", _engines(), ids=lambda c: c.__name__)
@@ -102,6 +102,26 @@ def test_an_engine_over_params_reports_canonical_sums_and_its_views():
         assert placement_from_json(e.placement()[0]).keys() == e.placed.keys()
         assert set(e.digests()) == set(e.params)
     assert sums == {n: tensor_checksum(bits_view(t)) for n, t in base.items()}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_canonical_sums_follow_committed_deltas_whole_views_and_split_ones(ranks):
+    """One rank holding every element (a whole view: its canonical sum is its view checksum, taken
+    per tensor) and two ranks splitting the rows (moved by the changes at canonical indices) report
+    canonical sums that add up to each target tensor's own checksum after every commit."""
+    states = [_model(), _model(seed=5), _model(seed=6)]
+    placed = [_placed(states[0], r, ranks) for r in range(ranks)]
+    assert all(e.sums._whole == (set(p) if ranks == 1 else set()) for e, p in placed)
+    for v, (old, new) in enumerate(zip(states, states[1:]), start=1):
+        for engine, placement in placed:
+            views = [{n: s[n].reshape(-1)[torch.from_numpy(tp.runs.expand()[0])] for n, tp in placement.items()}
+                     for s in (old, new)]
+            apply_version(engine, {0: [encode(*views, Identity(base_version=v - 1, target_version=v), key=KEY)]})
+        sums: dict[str, int] = {}
+        for engine, _ in placed:
+            for n, c in engine.checksums().canonical.items():
+                sums[n] = (sums.get(n, 0) + c) % (1 << 64)
+        assert sums == {n: tensor_checksum(bits_view(t)) for n, t in new.items()}
 
 
 def test_a_resync_writes_the_loaders_constants_outside_the_views_and_rolls_them_back():

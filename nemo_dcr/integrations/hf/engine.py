@@ -126,6 +126,10 @@ class HFEngine:
         """Hold the current version for one generation (a context manager yielding it)."""
         return self.engine.serving()
 
+    def settle(self) -> float:
+        """The contract's ``settle``: wait for the kept indexes' move; the seconds waited."""
+        return self.engine.settle()
+
     def preflight(self) -> list[str]:
         """None: the parameters are the canonical tensors (a load of them is themselves)."""
         return self.engine.preflight()

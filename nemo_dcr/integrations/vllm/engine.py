@@ -275,6 +275,10 @@ class VllmEngine:
         return ApplyResult(result.base_version, result.target_version, result.touched,
                            dict(self._checksums.canonical), result.resync, result.undo_bytes)
 
+    def settle(self) -> float:
+        """Every rank waits for its kept indexes' move; the longest wait, in seconds."""
+        return max(float(s) for s in self.llm.collective_rpc("dcr_settle"))
+
     def rollback(self) -> ApplyResult:
         """Every rank undoes the prepared version bit for bit."""
         result, hold = self._pending.take("roll back")

@@ -230,6 +230,10 @@ class DcrWorkerExtension:
         self.dcr_refresh.drop()
         return dict(rank=self.rank, version=result.target_version, **_checksums_json(self.dcr_engine.checksums()))
 
+    def dcr_settle(self) -> float:
+        """Wait for this rank's kept indexes' move (the contract's ``settle``); the seconds waited."""
+        return self.dcr_engine.settle()
+
     def dcr_rollback(self) -> dict:
         """Undo the prepared version bit for bit (a no-op when nothing is prepared)."""
         if self.dcr_engine.pending is None:

@@ -114,6 +114,8 @@ def engine_main(conn, setup: EngineSetup) -> None:
         verb, arg = conn.recv()
         if verb == "rollout":
             conn.send(rollout(engine, tokenizer, rng, setup.rl_cfg))
+        elif verb == "settle":  # the engine's work behind its last commit, waited for before the dense refit
+            conn.send(engine.settle())
         elif verb == "dense":  # every trainer rank sends its shards now; load them by the engine's own loader
             tensors, recv_s, convert_s, nbytes = link.receive()
             load_s, check_s, same = load_dense(engine, tensors, arg, fp8)
@@ -175,6 +177,12 @@ class EngineProcess:
     def rollout(self):
         """One step's rollout batch from the engine's current version."""
         self.conn.send(("rollout", None))
+        return self.conn.recv()
+
+    def settle(self) -> float:
+        """The engine waits for the work its last commit left running (its kept indexes' move);
+        the seconds it waited."""
+        self.conn.send(("settle", None))
         return self.conn.recv()
 
     def start_dense(self, version: int) -> None:

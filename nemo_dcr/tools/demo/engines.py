@@ -66,6 +66,10 @@ class ColocatedEngine:
 
         return rollout(self.engine, self.tokenizer, self.rng, self.rl_cfg)
 
+    def settle(self) -> float:
+        """The engine's wait for the work its last commit left running; the seconds waited."""
+        return self.engine.settle()
+
     def dense(self, link: DenseLink, version: int) -> DenseResult:
         """The host's side of one dense refit: the other ranks' shards and its own, loaded."""
         from nemo_dcr.tools.megatron.dense import first_replica_shards
@@ -102,6 +106,10 @@ class SeparateEngine:
 
     def rollout(self):
         return self.proc.rollout()
+
+    def settle(self) -> float:
+        """The engine process's wait for the work its last commit left running; the seconds waited."""
+        return self.proc.settle()
 
     def dense(self, link: DenseLink, version: int) -> DenseResult:
         """This rank's shards to the engine process, which loads everyone's; its account."""

@@ -65,10 +65,11 @@ def dense_refit(link: DenseLink, handle, starter: int, version: int) -> tuple[fl
     return seconds, r.same, {"recv": r.recv_s, "convert": r.convert_s, "load": r.load_s, "bytes": r.bytes}
 
 
-def _behind(refit: DeltaRefit) -> float:
-    """The slowest trainer rank's seconds waiting for the work its refit left behind the report
-    (collective): done before the dense refit is timed, so that work does not slow the baseline."""
-    waited = torch.tensor([refit.wait()], dtype=torch.float64)
+def _behind(refit: DeltaRefit, handle) -> float:
+    """The longest wait, over the trainer ranks and the engine (asked by the rank holding its
+    ``handle``), for the work the refit left behind its report (collective): the kept indexes'
+    moves, done before the dense refit is timed, so that work does not slow the baseline."""
+    waited = torch.tensor([max(refit.wait(), handle.settle() if handle is not None else 0.0)], dtype=torch.float64)
     dist.all_reduce(waited, op=dist.ReduceOp.MAX)
     return float(waited)
 
@@ -160,7 +161,7 @@ def _steps(cfg, trainer, refit, handle, link, starter, telemetry, steps: list[di
     is_starter = dist.get_rank() == starter
     for step in range(1, cfg.run.steps + 1):
         batch, loss, report = train_step(trainer, refit, handle, starter)
-        behind = _behind(refit)
+        behind = _behind(refit, handle)
         every = cfg.run.dense_compare_interval
         dense_s, same, parts = dense_refit(link, handle, starter, report.version) \
             if every and step % every == 0 else (None, None, {})
