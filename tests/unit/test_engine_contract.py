@@ -104,6 +104,34 @@ def test_an_engine_over_params_reports_canonical_sums_and_its_views():
     assert sums == {n: tensor_checksum(bits_view(t)) for n, t in base.items()}
 
 
+def test_settle_waits_for_the_index_move_a_commit_left_running(monkeypatch):
+    """``settle()`` returns once the kept indexes' move behind the last commit is done, with the
+    seconds it waited; with nothing running (or no indexes kept) it returns at once."""
+    import threading
+    import time
+
+    from nemo_dcr.codec.dcr.class_index import DcrIndexes
+
+    moved = threading.Event()
+    update = DcrIndexes.update
+
+    def slow(self, deltas, threads=1):
+        time.sleep(0.3)
+        update(self, deltas, threads)
+        moved.set()
+
+    monkeypatch.setattr(DcrIndexes, "update", slow)
+    base = _model()
+    target = {n: (t.float() * 1.5 + 0.25).bfloat16() for n, t in base.items()}
+    engine = TensorEngine({n: t.clone() for n, t in base.items()}, key=KEY)
+    engine.build_indexes()
+    apply_version(engine, {0: [encode(base, target, Identity(base_version=0, target_version=1), key=KEY)]})
+    assert not moved.is_set()
+    assert engine.settle() >= 0.2 and moved.is_set()
+    assert engine.settle() < 0.1
+    assert TensorEngine(dict(base), key=KEY, keep_index=False).settle() < 0.1
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_canonical_sums_follow_committed_deltas_whole_views_and_split_ones(ranks):
     """One rank holding every element (a whole view: its canonical sum is its view checksum, taken
