@@ -91,7 +91,10 @@ class HeldSums:
 
     def _scan_canonical(self, name: str) -> int:
         """Canonical partial sum of ``name``'s primary elements, from the runs of the primary view
-        intervals (no per-element index arrays)."""
+        intervals (no per-element index arrays); a whole view's is its view checksum (``views``
+        already moved to the current bits)."""
+        if name in self._whole:
+            return self.views[name]
         tp = self.placed[name]
         r = tp.runs
         primary = Runs(r.canon, r.view_start, r.length).of_view(tp.primary)  # local: the view index
@@ -102,8 +105,7 @@ class HeldSums:
         names = list(self.tensors if names is None else names)
         self.views.update(full_checksums({n: self.tensors[n] for n in names}))
         if self.placed:
-            self._canonical.update({n: self.views[n] if n in self._whole else self._scan_canonical(n)
-                                    for n in names})
+            self._canonical.update({n: self._scan_canonical(n) for n in names})
 
     def commit(self, result: ApplyResult) -> None:
         """A version committed: views take the records' verified targets; canonical sums move by
@@ -112,12 +114,11 @@ class HeldSums:
         if not self.placed:
             return
         if result.resync:
-            self._canonical.update({n: self.views[n] if n in self._whole else self._scan_canonical(n)
-                                    for n in result.touched})
+            self._canonical.update({n: self._scan_canonical(n) for n in result.touched})
             return
         moved = [_canonical_delta(d, self.placed[d.name]) for d in result.deltas if d.nnz and d.name not in self._whole]
         self._canonical = checksums_after(self._canonical, moved)
-        self._canonical.update({d.name: self.views[d.name] for d in result.deltas if d.name in self._whole})
+        self._canonical.update({d.name: self._scan_canonical(d.name) for d in result.deltas if d.name in self._whole})
 
     def sampled(self, sample: Sample) -> EngineChecksums:
         """The sums of ``sample``'s slice recomputed from the live tensors (nothing kept changes):
