@@ -3,7 +3,7 @@ integer views).
 
 Phases (docs/refit.md, "Transactions"):
 
-1. **validate**: every part is decoded by :func:`nemo_dcr.codec.decode` against the live
+1. **validate**: every part is decoded by :func:`nemo_dcr.codec.decode_parts` against the live
    tensors (authentication, names, dtypes, shapes, bounds, base checksum, target checksum)
    and the versions are checked: each part's base is the engine's version, all parts share one
    target.  Nothing is written before all parts passed.
@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Mapping, Sequence, Union
 import numpy as np
 import torch
 
-from nemo_dcr.codec import DcrIndexes, decode, inspect
+from nemo_dcr.codec import DcrIndexes, decode_parts, inspect
 from nemo_dcr.codec.errors import MissingTensorError, ShapeMismatchError
 from nemo_dcr.kernels import read_bits, unequal_at, write_bits
 from nemo_dcr.kernels.inplace import width_of
@@ -214,7 +214,7 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
             updates them (the caller does, with ``result.deltas``, once it committed).
         undo: the undo log's memory bound and spill folder.
         check: engine-specific rules on the decoded changes (:data:`PayloadCheck`).
-        threads: worker threads over the records of a part (``dcr.threads``): decode, write and
+        threads: worker threads over the records of all parts (``dcr.threads``): decode, write and
             read-back; the same state, refusals and messages as one thread.
 
     Raises:
@@ -228,7 +228,7 @@ def prepare_parts(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], v
 
 
 def _prepare_delta(tensors, parts, version, checksums, key, fault, indexes, undo, check, threads) -> Prepared:
-    decoded = [decode(p, Bases(tensors), key, checksums, indexes, threads) for p in parts]
+    decoded = decode_parts(parts, Bases(tensors), key, checksums, indexes, threads)
     target = _check_versions([d.header for d in decoded], version, resync=False)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]
@@ -349,7 +349,7 @@ def prepare_resync(tensors: Mapping[str, torch.Tensor], parts: Sequence[bytes], 
 def _prepare_resync(tensors, parts, version, key, fault, undo, check) -> Prepared:
     zeros = _zero_base(tensors, parts, key)
     with device_path(False):  # the zeros are host memory
-        decoded = [decode(p, zeros, key) for p in parts]
+        decoded = decode_parts(parts, zeros, key)
     target = _check_versions([d.header for d in decoded], version, resync=True)
     records = {r.name: r for d in decoded for r in d.header.records}
     deltas = [x for d in decoded for x in d.deltas]

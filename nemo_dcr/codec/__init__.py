@@ -10,7 +10,7 @@ Usage::
 from .dcr import DcrIndex, DcrIndexes, MovedIndexes
 from .errors import DeltaFormatError
 from .header import header_limit
-from .payload import DecodedPayload, Identity, apply, decode, diff_tensors, encode, encode_deltas, inspect
+from .payload import DecodedPayload, Identity, apply, decode, decode_parts, diff_tensors, encode, encode_deltas, inspect
 
 __all__ = ["DcrIndex", "DcrIndexes", "DeltaFormatError", "DecodedPayload", "Identity", "MovedIndexes", "apply",
-           "decode", "diff_tensors", "encode", "encode_deltas", "header_limit", "inspect"]
+           "decode", "decode_parts", "diff_tensors", "encode", "encode_deltas", "header_limit", "inspect"]

@@ -279,7 +279,27 @@ def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
     ``threads``: worker threads over the records (``dcr.threads``): the same result and the same
     first error as one thread.
     """
-    header, bodies = _split(payload, key, base)
+    return decode_parts([payload], base, key, base_checksums, indexes, threads)[0]
+
+
+def decode_parts(payloads: Sequence, base: Mapping[str, torch.Tensor], key: bytes | None = None,
+                 base_checksums: Mapping[str, int] | None = None, indexes: DcrIndexes | None = None,
+                 threads: int = 1) -> list[DecodedPayload]:
+    """:func:`decode` of each of ``payloads`` (the parts of one version), their records handed to
+    the worker threads together: a part whose one large record keeps a worker busy (an embedding
+    table) leaves the other workers the records of the other parts, not nothing to do.
+
+    The result and the first error are :func:`decode`'s, part after part, whatever ``threads``:
+    when a part's preamble, MAC, header or record crcs are refused, the records of the parts
+    before it are decoded first (their error comes first), the later parts are not looked at.
+    """
+    split, refused = [], None
+    for payload in payloads:
+        try:
+            split.append(_split(payload, key, base))
+        except Exception as exc:  # raised once the earlier parts' records were decoded
+            refused = exc
+            break
 
     def record(rb: tuple[RecordInfo, memoryview]) -> SparseDelta:
         r, body = rb
@@ -300,7 +320,15 @@ def decode(payload, base: Mapping[str, torch.Tensor], key: bytes | None = None,
             raise TargetChecksumMismatchError("decoded tensor would not match the target checksum", r.name)
         return SparseDelta(r.name, r.dtype, r.shape, pos, new, old)
 
-    return DecodedPayload(header, tuple(map_records(record, list(zip(header.records, bodies)), threads, _changes)))
+    deltas = map_records(record, [rb for header, bodies in split for rb in zip(header.records, bodies)], threads,
+                         _changes)
+    if refused is not None:
+        raise refused
+    out, start = [], 0
+    for header, _ in split:
+        out.append(DecodedPayload(header, tuple(deltas[start : start + len(header.records)])))
+        start += len(header.records)
+    return out
 
 
 def apply(base: Mapping[str, torch.Tensor], payload, key: bytes | None = None,

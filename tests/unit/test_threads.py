@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_dcr.apply import ApplyVerificationError, InjectedFault, TensorEngine, apply_version, transaction
-from nemo_dcr.codec import DcrIndexes, Identity, decode, diff_tensors, encode_deltas
+from nemo_dcr.codec import DcrIndexes, DeltaFormatError, Identity, decode, decode_parts, diff_tensors, encode_deltas
 from nemo_dcr.codec import payload as payload_mod
 from nemo_dcr.codec.errors import BaseChecksumMismatchError
 from nemo_dcr.capture import scan as scan_mod
@@ -168,6 +168,49 @@ def test_decode_raises_the_first_failing_record_like_one_thread():
             decode(data, model, KEY, cks, DcrIndexes(), threads)
         msgs.append(str(err.value))
     assert msgs[0] == msgs[1] and "layer1.weight" in msgs[0]
+
+
+def _one_record_parts(model, target) -> list[bytes]:
+    """One part per tensor (a sender that owns one tensor each, as an embedding's owner does)."""
+    return [_payload({n: model[n]}, {n: target[n]}, 1) for n in model]
+
+
+def test_parts_of_one_record_each_share_the_worker_threads(monkeypatch):
+    model = _model()
+    target = _step(model)
+    parts = _one_record_parts(model, target)
+    cks = {n: tensor_checksum(bits_view(t)) for n, t in model.items()}
+    one = [decode(p, model, KEY, cks, DcrIndexes(), 1) for p in parts]
+    ran_on = _threads_calling(monkeypatch, payload_mod, "decode_record")
+    got = decode_parts(parts, model, KEY, cks, DcrIndexes(), 3)
+    assert len(ran_on) > 1  # a part of one record alone would stay on the calling thread
+    assert [d.header for d in got] == [d.header for d in one]
+    for a, b in zip(got, one):
+        for x, y in zip(a.deltas, b.deltas, strict=True):
+            assert x.name == y.name and np.array_equal(x.positions, y.positions)
+            assert np.array_equal(x.new_bits, y.new_bits) and np.array_equal(x.old_bits, y.old_bits)
+
+
+def test_decode_parts_raises_the_first_error_part_after_part_like_one_thread():
+    model = _model()
+    target = _step(model)
+    parts = _one_record_parts(model, target)
+    cks = {n: tensor_checksum(bits_view(t)) for n, t in model.items()}
+    bad_base = dict(cks, **{"layer1.weight": cks["layer1.weight"] ^ 1})
+    truncated = parts[:3] + [parts[3][:-1]] + parts[4:]
+    for args, kind, where in (
+            ((truncated, model, KEY, bad_base), BaseChecksumMismatchError, "layer1.weight"),  # part 1 before part 3
+            ((truncated, model, KEY, cks), DeltaFormatError, "truncated or tampered part 3")):
+        msgs = []
+        for threads in (1, 3):
+            with pytest.raises(kind) as err:
+                decode_parts(*args, DcrIndexes(), threads)
+            msgs.append((type(err.value), str(err.value)))
+        assert msgs[0] == msgs[1], where
+        if kind is BaseChecksumMismatchError:
+            assert where in msgs[0][1]
+        else:
+            assert not issubclass(msgs[0][0], BaseChecksumMismatchError)
 
 
 def test_small_parts_stay_on_the_calling_thread(monkeypatch):
