@@ -60,7 +60,7 @@ class TensorEngine:
         fills: constants the engine's loaders write into params (``{param: [(positions, values)]}``,
             vocab padding); after a resync those outside every view are written into the resynced
             params in the same transaction, so a resync ends bit-identical to a fresh load.
-        threads: worker threads over the records of a part (``dcr.threads``: a positive int, or
+        threads: worker threads over the records of a version's parts (``dcr.threads``: a positive int, or
             ``auto``: the cores this process may run on); decode, write, read-back and the index
             update, with the same state and errors as one thread.
     """
