@@ -257,15 +257,17 @@ def write_deltas(undo: UndoLog, tensors: Mapping[str, Live], deltas: Sequence[Sp
     held there when it was validated) into the undo log first; ``fault`` after each tensor.
 
     With ``threads`` > 1 and a part large enough (:func:`~nemo_dcr.kernels.workers.parallel`)
-    worker threads locate the positions; when no two tensors share memory, every delta's old bits
-    are then logged first, in order, and the workers write the tensors; a failure in any of them
-    rolls back all of it and reports like one thread.  Tensors that share memory (views of one
-    fused param, tied weights) are written in order on this thread, as with one thread."""
+    worker threads locate the positions; every delta's old bits are then logged first, in order,
+    and the workers write the tensors, those that share memory (views of one fused param, tied
+    weights) in order on one worker, each memory beside the others.  A failure in any of them rolls
+    back all of it and reports like one thread: the first failing tensor in delta order."""
     deltas = [d for d in deltas if d.nnz]
     targets = map_records(lambda d: _target(tensors[d.name], d.positions), deltas, threads, _nnz)
     written = [(d, view, pos) for d, (view, pos) in zip(deltas, targets)]
-    shared = len({_storage(tensors[d.name]) for d in deltas}) < len(written)
-    if shared or not parallel(deltas, threads, _nnz):
+    memories: dict[int, list[int]] = {}
+    for i, (d, _, _) in enumerate(written):
+        memories.setdefault(_storage(tensors[d.name]), []).append(i)
+    if len(memories) < 2 or not parallel(deltas, threads, _nnz):
         for d, view, pos in written:
             undo.scatter(view, pos, d.new_bits, d.old_bits)
             if fault is not None:
@@ -274,13 +276,21 @@ def write_deltas(undo: UndoLog, tensors: Mapping[str, Live], deltas: Sequence[Sp
     for d, view, pos in written:
         undo.save(view, pos, d.old_bits)
 
-    def write(w) -> None:
-        d, view, pos = w
-        write_bits(view, pos, d.new_bits)
-        if fault is not None:
-            fault(d.name)
+    def write(memory: list[int]) -> tuple[int, Exception] | None:
+        for i in memory:
+            d, view, pos = written[i]
+            try:
+                write_bits(view, pos, d.new_bits)
+                if fault is not None:
+                    fault(d.name)
+            except Exception as exc:  # raised below: the first failing tensor in delta order
+                return i, exc
+        return None
 
-    map_records(write, written, threads, lambda w: w[0].nnz)
+    failed = [f for f in map_records(write, list(memories.values()), threads,
+                                     lambda memory: sum(written[i][0].nnz for i in memory)) if f is not None]
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
     return written
 
 
