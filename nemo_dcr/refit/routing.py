@@ -238,9 +238,20 @@ _MERGE_WAYS = 16
 """Pieces of one tensor up to which :func:`merge` takes their next entries in one pass (more: a sort)."""
 
 
+def _first(p: SparseDelta) -> int:
+    return int(p.positions[0]) if p.nnz else -1
+
+
+def _disjoint(ps: Sequence[SparseDelta]) -> bool:
+    """Whether increasing pieces ``ps`` hold disjoint ranges of positions."""
+    held = sorted((p for p in ps if p.nnz), key=_first)
+    return all(int(a.positions[-1]) < int(b.positions[0]) for a, b in zip(held, held[1:]))
+
+
 def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
     """One delta per tensor from pieces sent by several ranks, sorted by position (increasing
-    pieces, as capture and routing make them: one merge pass, no sort).
+    pieces, as capture and routing make them: one merge pass, no sort; pieces of disjoint ranges,
+    a row-sliced tensor's, are concatenated in range order, with no merge pass).
 
     Raises:
         ValueError: two pieces carry the same element (two ranks captured it: a broken layout).
@@ -255,10 +266,15 @@ def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
             out.append(ps[0])  # one piece already in order: no copy (the first sync's pieces are the model)
             continue
         with_old = all(p.old_bits is not None for p in ps)
+        joined = ordered and _disjoint(ps)
+        if joined:  # a row-sliced tensor's pieces: their concatenation in range order is the merge
+            ps = sorted(ps, key=_first)
         pos = np.concatenate([p.positions for p in ps]).astype(np.int64, copy=False)
         new = np.concatenate([p.new_bits for p in ps])
         old = np.concatenate([p.old_bits for p in ps]) if with_old else new[:0]
-        if ordered and len(ps) <= _MERGE_WAYS:
+        if joined:
+            pass
+        elif ordered and len(ps) <= _MERGE_WAYS:
             offsets = np.cumsum([0] + [p.positions.size for p in ps], dtype=np.int64)
             dup, merged, new, old = merge_sorted(pos, new, old, offsets, with_old)
             if dup >= 0:

@@ -221,7 +221,8 @@ def test_merge_sorts_and_refuses_overlap():
 
 def test_merge_of_interleaved_pieces_equals_a_sort():
     """Pieces as TP ranks route them (column slices interleaved row by row, disjoint row ranges,
-    one piece out of order, up to more pieces than one merge pass takes) against a plain sort."""
+    empty pieces, pieces arriving in any order, one piece out of order, up to more pieces than one
+    merge pass takes) against a plain sort."""
     rng = np.random.default_rng(3)
     for trial in range(120):
         n, k = 600, int(rng.integers(1, 24))
@@ -235,6 +236,8 @@ def test_merge_of_interleaved_pieces_equals_a_sort():
                 pos = pos[::-1].copy()
             pieces.append(SparseDelta("t", "bf16", (n,), pos, (pos * 7 % 65521).astype(np.uint16),
                                       (pos * 3).astype(np.uint16) if with_old else None))
+        if trial % 4 == 1:  # pieces in any order (row ranges are then concatenated in range order)
+            pieces = [pieces[i] for i in rng.permutation(k)]
         (m,) = merge(pieces)
         want = np.flatnonzero(keep)
         assert np.array_equal(m.positions, want) and np.array_equal(m.new_bits, (want * 7 % 65521).astype(np.uint16))
