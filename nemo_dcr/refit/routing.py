@@ -242,10 +242,14 @@ def _first(p: SparseDelta) -> int:
     return int(p.positions[0]) if p.nnz else -1
 
 
-def _disjoint(ps: Sequence[SparseDelta]) -> bool:
-    """Whether increasing pieces ``ps`` hold disjoint ranges of positions."""
-    held = sorted((p for p in ps if p.nnz), key=_first)
-    return all(int(a.positions[-1]) < int(b.positions[0]) for a, b in zip(held, held[1:]))
+def _in_range_order(ps: Sequence[SparseDelta]) -> list[SparseDelta] | None:
+    """Increasing pieces ``ps`` sorted by their first position when their ranges are disjoint (a
+    row-sliced tensor's: their concatenation is then their merge), else None."""
+    by_start = sorted(ps, key=_first)
+    held = [p for p in by_start if p.nnz]
+    if all(int(a.positions[-1]) < int(b.positions[0]) for a, b in zip(held, held[1:])):
+        return by_start
+    return None
 
 
 def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
@@ -266,21 +270,19 @@ def merge(pieces: Iterable[SparseDelta]) -> list[SparseDelta]:
             out.append(ps[0])  # one piece already in order: no copy (the first sync's pieces are the model)
             continue
         with_old = all(p.old_bits is not None for p in ps)
-        joined = ordered and _disjoint(ps)
-        if joined:  # a row-sliced tensor's pieces: their concatenation in range order is the merge
-            ps = sorted(ps, key=_first)
+        in_order = _in_range_order(ps) if ordered else None
+        if in_order is not None:  # disjoint ranges: their concatenation in range order is the merge
+            ps = in_order
         pos = np.concatenate([p.positions for p in ps]).astype(np.int64, copy=False)
         new = np.concatenate([p.new_bits for p in ps])
         old = np.concatenate([p.old_bits for p in ps]) if with_old else new[:0]
-        if joined:
-            pass
-        elif ordered and len(ps) <= _MERGE_WAYS:
+        if in_order is None and ordered and len(ps) <= _MERGE_WAYS:
             offsets = np.cumsum([0] + [p.positions.size for p in ps], dtype=np.int64)
             dup, merged, new, old = merge_sorted(pos, new, old, offsets, with_old)
             if dup >= 0:
                 raise ValueError(f"{name}: element {int(pos[dup])} was captured twice (two ranks own it)")
             pos = merged
-        else:
+        elif in_order is None:
             order = np.argsort(pos, kind="stable")
             pos, new, old = pos[order], new[order], old[order] if with_old else old
             if pos.size > 1 and bool((np.diff(pos) <= 0).any()):
